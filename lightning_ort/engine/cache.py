@@ -1,0 +1,99 @@
+"""The graph cache of one ORTModule and its statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from lightning_ort.engine.capture import CapturedGraphs
+
+
+@dataclass(frozen=True)
+class CacheStatistics:
+    """What an :class:`~lightning_ort.ORTModule` spent building graphs and how often it reused them.
+
+    Attributes:
+        export_seconds: wall time spent building graphs: tracing, ONNX export, ONNX Runtime session creation
+            (the first call of each new signature, plus its backward graph's build).
+        cache_hits: forward calls that reused a cached graph.
+        cache_misses: forward calls that built a new graph.
+        cached_graphs: signatures currently cached.
+        forward_runs: ONNX Runtime runs of forward and inference graphs.
+        backward_runs: ONNX Runtime runs of backward graphs.
+
+    Example:
+        >>> CacheStatistics().cache_hits
+        0
+    """
+
+    export_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cached_graphs: int = 0
+    forward_runs: int = 0
+    backward_runs: int = 0
+
+
+class GraphCache:
+    """Maps a call signature (see :mod:`lightning_ort.engine.signature`) to its :class:`CapturedGraphs`.
+
+    Example:
+        >>> cache = GraphCache()
+        >>> cache.statistics().cached_graphs
+        0
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, CapturedGraphs] = {}
+        self._hits = 0
+        self._misses = 0
+        self._export_seconds = 0.0
+        self._retired_runs = (0, 0)
+
+    def get_or_build(self, key: Hashable, build: Callable[[str], CapturedGraphs]) -> tuple[CapturedGraphs, bool]:
+        """The entry for ``key`` and whether it is new; ``build(tag)`` makes it on a miss.
+
+        ``tag`` numbers the signature (``""`` for the first), so saved files of different signatures differ.
+        """
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._hits += 1
+            return entry, False
+        entry = build("" if not self._misses else str(self._misses))
+        self._entries[key] = entry
+        self._misses += 1
+        return entry, True
+
+    def discard(self, key: Hashable) -> None:
+        """Forget ``key``'s entry because building it failed: the failed call counts as neither hit nor miss."""
+        if self._entries.pop(key, None) is not None:
+            self._misses -= 1
+
+    def add_export_time(self, seconds: float) -> None:
+        self._export_seconds += seconds
+
+    def clear(self) -> None:
+        """Drop every graph (statistics are kept)."""
+        self._retired_runs = self._run_counts()
+        self._entries.clear()
+
+    def statistics(self) -> CacheStatistics:
+        forward, backward = self._run_counts()
+        return CacheStatistics(
+            export_seconds=self._export_seconds,
+            cache_hits=self._hits,
+            cache_misses=self._misses,
+            cached_graphs=len(self._entries),
+            forward_runs=forward,
+            backward_runs=backward,
+        )
+
+    def _run_counts(self) -> tuple[int, int]:
+        forward, backward = self._retired_runs
+        for entry in self._entries.values():
+            for kind, session in entry.sessions.items():
+                if kind == "backward":
+                    backward += session.runs
+                else:
+                    forward += session.runs
+        return forward, backward

@@ -1,0 +1,248 @@
+"""Turn an AOTAutograd FX graph into an ONNX model that ONNX Runtime can run.
+
+Three steps, in :func:`export_graph`:
+
+1. :func:`_normalise_outputs` keeps only tensor outputs, once each (ONNX drops ``None`` gradients and
+   needs unique output names); :class:`OutputLayout` maps them back to the FX graph's output positions.
+2. :func:`_lift_random_ops` replaces random ops (dropout, ``rand_like``...) by extra graph inputs, so the
+   noise comes from PyTorch's generator: ``torch.manual_seed`` keeps governing reproducibility.
+3. ``torch.onnx.export(..., dynamo=True)`` translates the graph; a failure names the op and the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import operator
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+NoiseFactory = Callable[[torch.device], torch.Tensor]
+
+
+class ExportError(RuntimeError):
+    """ONNX export of a captured graph failed; the message names the op and where it came from."""
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where each FX output comes from: an ONNX output index, or ``None`` for a ``None`` output."""
+
+    sources: tuple[int | None, ...]
+
+    def place(self, onnx_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        return [None if index is None else onnx_outputs[index] for index in self.sources]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class ExportedGraph:
+    """An ONNX model plus what the session runner needs to feed it and read it back."""
+
+    name: str
+    model: onnx.ModelProto
+    num_inputs: int
+    noise: list[NoiseFactory]
+    outputs: list[OutputSpec]
+    layout: OutputLayout
+
+
+def export_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str, verbose: bool) -> ExportedGraph:
+    """Export ``gm`` (an ATen-level FX graph with static shapes) to ONNX.
+
+    Args:
+        gm: the graph; it is modified in place (outputs normalised, random ops lifted).
+        example_inputs: one (fake or real) tensor per placeholder.
+        name: graph name used in messages and file names (``"forward"``, ``"backward"``...).
+        verbose: let ``torch.onnx`` print its progress.
+    """
+    layout, outputs = _normalise_outputs(gm)
+    fake_mode = detect_fake_mode(example_inputs)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        noise, noise_examples = _lift_random_ops(gm)
+    gm.recompile()
+    inputs = (*example_inputs, *noise_examples)
+    gm.eval()
+    try:
+        with _quiet_exporter(verbose):
+            program = torch.onnx.export(gm, inputs, dynamo=True, verbose=verbose, optimize=True)
+    except Exception as err:
+        raise ExportError(_describe_export_failure(gm, name, err)) from err
+    if program is None or program.model_proto is None:
+        raise ExportError(f"torch.onnx.export returned no model for the {name} graph.")
+    model = program.model_proto
+    if len(model.graph.input) != len(inputs) or len(model.graph.output) != len(outputs):
+        raise ExportError(
+            f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
+            f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
+        )
+    log.debug("exported %s graph: %d nodes, %d inputs, %d outputs", name, len(model.graph.node), len(inputs), len(outputs))
+    return ExportedGraph(name, model, len(example_inputs), noise, outputs, layout)
+
+
+@contextlib.contextmanager
+def _quiet_exporter(verbose: bool) -> Iterator[None]:
+    """Keep ``torch.onnx``'s progress lines and warnings out of the user's console unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    exporter_log = logging.getLogger("torch.onnx")
+    level = exporter_log.level
+    exporter_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        exporter_log.setLevel(level)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Write ``model`` to ``path`` (weights are graph inputs, so the file stays small)."""
+    onnx.save_model(model, str(path))
+    log.info("saved ONNX model to %s", path)
+
+
+def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[OutputSpec]]:
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = output_node.args[0]
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    unique: list[torch.fx.Node] = []
+    sources: list[int | None] = []
+    for value in values:
+        if value is None:
+            sources.append(None)
+            continue
+        if not isinstance(value, torch.fx.Node):
+            raise ExportError(f"Captured graph returns a non-tensor value {value!r}; only tensors can leave ONNX Runtime.")
+        if value not in unique:
+            unique.append(value)
+        sources.append(unique.index(value))
+    output_node.args = (tuple(unique),)
+    specs = [OutputSpec(tuple(int(s) for s in n.meta["val"].shape), n.meta["val"].dtype) for n in unique]
+    return OutputLayout(tuple(sources)), specs
+
+
+def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[NoiseFactory], list[torch.Tensor]]:
+    graph = gm.graph
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    factories: list[NoiseFactory] = []
+    examples: list[torch.Tensor] = []
+
+    def new_input(factory: NoiseFactory, example: torch.Tensor) -> torch.fx.Node:
+        nonlocal last_placeholder
+        with graph.inserting_after(last_placeholder):
+            node = graph.placeholder(f"noise_{len(factories)}")
+        node.meta["val"] = example
+        last_placeholder = node
+        factories.append(factory)
+        examples.append(example)
+        return node
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        if node.target in _UNIFORM_OPS or node.target in _NORMAL_OPS:
+            draw = torch.rand if node.target in _UNIFORM_OPS else torch.randn
+            shape, dtype = tuple(val.shape), val.dtype
+            node.replace_all_uses_with(new_input(_factory(draw, shape, dtype), torch.zeros(shape, dtype=dtype)))
+            graph.erase_node(node)
+        elif node.target is aten.native_dropout.default and node.args[2] and float(node.args[1]) > 0.0:
+            _lift_dropout(graph, node, new_input)
+        elif node.target in (aten.bernoulli.default, aten.bernoulli.p):
+            _lift_bernoulli(graph, node, new_input)
+    graph.eliminate_dead_code()
+    return factories, examples
+
+
+def _factory(draw: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> NoiseFactory:
+    return lambda device: draw(shape, dtype=dtype, device=device)
+
+
+def _keep_mask_factory(shape: tuple[int, ...], keep: float) -> NoiseFactory:
+    return lambda device: torch.empty(shape, device=device).bernoulli_(keep).bool()
+
+
+def _lift_dropout(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Callable[..., torch.fx.Node]) -> None:
+    x, p = node.args[0], float(node.args[1])
+    val = node.meta["val"][0]
+    shape = tuple(val.shape)
+    mask = new_input(_keep_mask_factory(shape, 1.0 - p), torch.ones(shape, dtype=torch.bool))
+    with graph.inserting_before(node):
+        kept = graph.call_function(aten.where.ScalarOther, (mask, x, 0.0))
+        out = graph.call_function(aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+    for user in list(node.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+            graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _lift_bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Callable[..., torch.fx.Node]) -> None:
+    val = node.meta["val"]
+    shape, dtype = tuple(val.shape), val.dtype
+    uniform = new_input(_factory(torch.rand, shape, torch.float32), torch.zeros(shape))
+    with graph.inserting_before(node):
+        if node.target is aten.bernoulli.p:
+            draw = graph.call_function(aten.lt.Scalar, (uniform, float(node.args[1])))
+        else:
+            draw = graph.call_function(aten.lt.Tensor, (uniform, node.args[0]))
+        out = graph.call_function(aten._to_copy.default, (draw,), {"dtype": dtype})
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+_UNIFORM_OPS = {aten.rand.default, aten.rand_like.default}
+_NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
+
+_OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
+
+
+def _describe_export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> str:
+    text = str(err)
+    match = _OP_PATTERN.search(text)
+    if match is None:
+        summary = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        return (
+            f"ONNX export of the {name} graph failed: {summary}\n"
+            "Run with DebugOptions(log_level=LogLevel.VERBOSE) for the exporter's full report."
+        )
+    op_name = f"{match.group(1)}.{match.group(2)}"
+    where = [_node_origin(n) for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op_name]
+    location = "; ".join(sorted({w for w in where if w})) or "unknown module"
+    return (
+        f"ONNX export of the {name} graph failed at op `{op_name}` (in {location}): ONNX has no translation for it.\n"
+        "Rewrite that part of the model with supported ops, or keep that submodule outside ORTModule "
+        "(wrap its siblings instead)."
+    )
+
+
+def _node_origin(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, module_type = list(stack.values())[-1]
+        type_name = getattr(module_type, "__name__", str(module_type))
+        return f"module `{path}` ({type_name})"
+    trace = node.meta.get("stack_trace")
+    if trace:
+        return trace.strip().splitlines()[-2].strip() if len(trace.strip().splitlines()) > 1 else trace.strip()
+    return ""

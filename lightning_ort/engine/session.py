@@ -1,0 +1,120 @@
+"""Run an exported graph in an ``onnxruntime.InferenceSession`` directly on PyTorch memory.
+
+Inputs and outputs are bound with :class:`onnxruntime.IOBinding` to the data pointers of PyTorch tensors:
+nothing is copied on the way in or out, on CPU or on CUDA (where ONNX Runtime is told to use PyTorch's
+current stream, so no synchronisation is needed either).
+"""
+
+from __future__ import annotations
+
+import logging
+import onnx
+import onnxruntime as ort
+import torch
+
+from lightning_ort.engine.export import ExportedGraph, save_model
+from lightning_ort.options import DebugOptions, SessionSettings
+
+log = logging.getLogger(__name__)
+
+_ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.int16: onnx.TensorProto.INT16,
+    torch.int8: onnx.TensorProto.INT8,
+    torch.uint8: onnx.TensorProto.UINT8,
+    torch.bool: onnx.TensorProto.BOOL,
+}
+
+
+def providers_for(device: torch.device, settings: SessionSettings) -> list[str | tuple[str, dict[str, str]]]:
+    """Execution providers for a graph whose tensors live on ``device``."""
+    if device.type == "cuda":
+        options = {
+            "device_id": str(device.index if device.index is not None else torch.cuda.current_device()),
+            "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
+        }
+        names = list(settings.providers) if settings.providers else ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise RuntimeError(
+                "The model's tensors are on CUDA but this onnxruntime has no CUDAExecutionProvider; "
+                "install onnxruntime-gpu (and not the CPU-only onnxruntime beside it)."
+            )
+        return [(name, options) if name == "CUDAExecutionProvider" else name for name in names]
+    if device.type != "cpu":
+        raise RuntimeError(f"ORTModule runs on CPU and CUDA tensors, got tensors on {device}.")
+    return list(settings.providers) if settings.providers else ["CPUExecutionProvider"]
+
+
+class GraphSession:
+    """One exported graph in one ``InferenceSession``, called like an AOTAutograd compiled function.
+
+    Args:
+        graph: the exported graph.
+        device: where the graph's inputs and outputs live.
+        settings: session creation settings.
+        debug: where to save the ORT-optimised model, and the ORT log severity.
+    """
+
+    _boxed_call = True
+
+    def __init__(self, graph: ExportedGraph, device: torch.device, settings: SessionSettings, debug: DebugOptions) -> None:
+        self._graph = graph
+        self._device = device
+        options = ort.SessionOptions()
+        options.graph_optimization_level = settings.graph_optimization_level
+        options.intra_op_num_threads = settings.intra_op_num_threads
+        options.log_severity_level = debug.log_level.ort_severity
+        if debug.save_onnx:
+            save_model(graph.model, debug.onnx_file(graph.name))
+            options.optimized_model_filepath = str(debug.onnx_file(f"{graph.name}_optimized"))
+        self._session = ort.InferenceSession(
+            graph.model.SerializeToString(), sess_options=options, providers=providers_for(device, settings)
+        )
+        self._input_names = [i.name for i in self._session.get_inputs()]
+        self._output_names = [o.name for o in self._session.get_outputs()]
+        self.runs = 0
+
+    @property
+    def providers(self) -> list[str]:
+        """Execution providers the session actually uses."""
+        return list(self._session.get_providers())
+
+    def __call__(self, args: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Run the graph on ``args`` (AOTAutograd's boxed convention: the list may be cleared)."""
+        inputs = [_as_bindable(t) for t in args]
+        args.clear()
+        inputs.extend(make(self._device) for make in self._graph.noise)
+        binding = self._session.io_binding()
+        for name, tensor in zip(self._input_names, inputs):
+            _bind(binding.bind_input, name, tensor)
+        outputs = [torch.empty(spec.shape, dtype=spec.dtype, device=self._device) for spec in self._graph.outputs]
+        for name, tensor in zip(self._output_names, outputs):
+            _bind(binding.bind_output, name, tensor)
+        self._session.run_with_iobinding(binding)
+        self.runs += 1
+        return self._graph.layout.place(outputs)
+
+
+def _as_bindable(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
+
+
+def _bind(bind: object, name: str, tensor: torch.Tensor) -> None:
+    element_type = _ONNX_ELEMENT_TYPES.get(tensor.dtype)
+    if element_type is None:
+        raise TypeError(f"ORTModule cannot pass a {tensor.dtype} tensor ({name}) to ONNX Runtime.")
+    device = tensor.device
+    bind(  # type: ignore[operator]
+        name,
+        device.type,
+        device.index or 0,
+        element_type,
+        list(tensor.shape),
+        tensor.data_ptr(),
+    )
+

@@ -1,0 +1,220 @@
+"""``ORTModule``: an ``nn.Module`` whose forward and backward run in ONNX Runtime."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ort.engine.cache import CacheStatistics, GraphCache
+from lightning_ort.engine.capture import CapturedGraphs
+from lightning_ort.engine.session import GraphSession
+from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
+from lightning_ort.options import DebugOptions, SessionSettings, configure_logger
+
+log = logging.getLogger(__name__)
+
+_SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+class ORTModuleError(RuntimeError):
+    """Misuse of :class:`ORTModule` that the original onnxruntime-training ORTModule also refused."""
+
+
+class ORTModule(nn.Module):
+    """Run ``module``'s forward and backward passes in ONNX Runtime; behave as ``module`` everywhere else.
+
+    On the first call with a new signature (input shapes, dtypes, devices, Python constants, train/eval and
+    grad mode) the module is traced with AOTAutograd into forward and backward graphs, each exported to ONNX
+    and loaded into an ``onnxruntime.InferenceSession`` with graph optimizations on. Later calls with the
+    same signature reuse them; ``loss.backward()`` runs the backward graph in ONNX Runtime and fills
+    ``param.grad``. Under ``torch.no_grad()`` an inference graph without gradient work runs instead.
+
+    The wrapper shares the wrapped module's parameters, buffers and submodules: ``state_dict()`` keys,
+    ``parameters()`` and checkpoints are the same as without it. Wrap before ``DistributedDataParallel``.
+
+    Args:
+        module: the model to run in ONNX Runtime.
+        debug_options: saving ONNX files and log verbosity (see :class:`~lightning_ort.DebugOptions`).
+        session_settings: execution providers, optimization level and threads of the sessions.
+
+    Example:
+        >>> model = ORTModule(nn.Linear(4, 2))
+        >>> loss = model(torch.randn(3, 4)).sum()
+        >>> loss.backward()
+        >>> model.statistics.forward_runs, model.statistics.backward_runs
+        (1, 1)
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        debug_options: DebugOptions | None = None,
+        session_settings: SessionSettings | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
+        if isinstance(module, ORTModule):
+            raise ORTModuleError("This module is already an ORTModule; wrap the original module only once.")
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            raise ORTModuleError(
+                f"ORTModule must wrap the model before {type(module).__name__} does: "
+                "use DistributedDataParallel(ORTModule(model)). DataParallel is not supported."
+            )
+        super().__init__()
+        debug = debug_options if debug_options is not None else DebugOptions()
+        object.__setattr__(self, "_original_module", module)
+        for name in _SHARED_STATE:
+            self.__dict__[name] = module.__dict__[name]
+        self.training = module.training
+        self._debug_options = debug
+        self._session_settings = session_settings if session_settings is not None else SessionSettings()
+        self._forward_parameter_names = forward_parameter_names(module)
+        self._cache = GraphCache()
+        configure_logger(debug.log_level)
+
+    @property
+    def module(self) -> nn.Module:
+        """The original module: its methods and attributes, running in PyTorch."""
+        return self._original_module
+
+    @property
+    def debug_options(self) -> DebugOptions:
+        return self._debug_options
+
+    @property
+    def session_settings(self) -> SessionSettings:
+        return self._session_settings
+
+    @property
+    def statistics(self) -> CacheStatistics:
+        """Export time, graph-cache hits and misses, cached graphs and ONNX Runtime run counts so far."""
+        return self._cache.statistics()
+
+    @property
+    def providers(self) -> list[str]:
+        """Execution providers of the sessions built so far (empty before the first call)."""
+        seen: list[str] = []
+        for session in self._sessions():
+            seen.extend(p for p in session.providers if p not in seen)
+        return seen
+
+    def clear_cache(self) -> None:
+        """Drop every cached graph; the next call builds again. Statistics keep counting."""
+        self._cache.clear()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module's forward in ONNX Runtime (see the class docstring)."""
+        inputs = FlatInputs.from_call(self._forward_parameter_names, args, kwargs)
+        state = self._graph_state()
+        state_tensors = [tensor for _, tensor in state]
+        device = _graph_device(state_tensors, inputs.tensors, type(self._original_module).__name__)
+        key = self._signature(inputs, state)
+
+        def build(tag: str) -> CapturedGraphs:
+            log.info("building a new graph for %s (signature %s)", type(self._original_module).__name__, tag or "0")
+            return CapturedGraphs(
+                self._original_module,
+                [name for name, _ in state],
+                inputs,
+                device,
+                tag,
+                self._session_settings,
+                self._debug_options,
+                self._cache.add_export_time,
+            )
+
+        entry, is_new = self._cache.get_or_build(key, build)
+        try:
+            return entry(state_tensors, inputs.tensors)
+        except Exception:
+            if is_new:
+                self._cache.discard(key)
+            raise
+
+    def _graph_state(self) -> list[tuple[str, torch.Tensor]]:
+        module = self._original_module
+        return [*module.named_parameters(), *module.named_buffers()]
+
+    def _signature(self, inputs: FlatInputs, state: list[tuple[str, torch.Tensor]]) -> Hashable:
+        return (
+            self.training,
+            torch.is_grad_enabled(),
+            _autocast_state(),
+            inputs.structure,
+            tuple(TensorMeta.of(t) for t in inputs.tensors),
+            tuple((name, TensorMeta.of(t)) for name, t in state),
+        )
+
+    def _sessions(self) -> Iterable[GraphSession]:
+        for entry in self._cache._entries.values():
+            yield from entry.sessions.values()
+
+    def train(self, mode: bool = True) -> ORTModule:
+        self._original_module.train(mode)
+        self.training = mode
+        return self
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> ORTModule:
+        self._original_module.apply(fn)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._original_module._load_from_state_dict(*args, **kwargs)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        raise ORTModuleError(
+            f"ORTModule does not take new submodules (add_module({name!r}, ...)): its graphs were traced from the "
+            "wrapped module. Add the submodule to the original module before wrapping it."
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, nn.Module):
+            self.add_module(name, value)
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original_module")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_cache"] = GraphCache()
+
+    def __repr__(self) -> str:
+        return f"ORTModule({self._original_module!r})"
+
+
+def _graph_device(state: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], owner: str) -> torch.device:
+    devices = {t.device for t in (*state, *inputs) if t.device.type != "meta"}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"ORTModule({owner}) got tensors on several devices {sorted(map(str, devices))}; "
+            "move the module and its inputs to one device first."
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
+    )

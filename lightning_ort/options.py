@@ -1,0 +1,179 @@
+"""User-facing options: :class:`DebugOptions`, :class:`LogLevel` and ONNX Runtime session settings."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnxruntime as ort
+
+_PACKAGE_LOGGER = "lightning_ort"
+
+
+class LogLevel(str, enum.Enum):
+    """Verbosity of ORTModule and of the ONNX Runtime sessions it creates.
+
+    The value is the name, so configuration files and command lines can say ``log_level: VERBOSE``.
+
+    Example:
+        >>> LogLevel("INFO").ort_severity
+        1
+    """
+
+    VERBOSE = "VERBOSE"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    FATAL = "FATAL"
+
+    @property
+    def ort_severity(self) -> int:
+        """ONNX Runtime's ``log_severity_level`` (0 = verbose ... 4 = fatal)."""
+        return _ORT_SEVERITY[self]
+
+    @property
+    def python_level(self) -> int:
+        """The :mod:`logging` level used for the ``lightning_ort`` logger."""
+        return _PYTHON_LEVEL[self]
+
+
+_ORT_SEVERITY = {
+    LogLevel.VERBOSE: 0,
+    LogLevel.INFO: 1,
+    LogLevel.WARNING: 2,
+    LogLevel.ERROR: 3,
+    LogLevel.FATAL: 4,
+}
+_PYTHON_LEVEL = {
+    LogLevel.VERBOSE: logging.DEBUG,
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+    LogLevel.FATAL: logging.CRITICAL,
+}
+
+
+def parse_log_level(value: LogLevel | str) -> LogLevel:
+    """Turn ``value`` into a :class:`LogLevel`, failing with the allowed names.
+
+    Example:
+        >>> parse_log_level("verbose")
+        <LogLevel.VERBOSE: 'VERBOSE'>
+    """
+    if isinstance(value, LogLevel):
+        return value
+    try:
+        return LogLevel(str(value).upper())
+    except ValueError:
+        allowed = ", ".join(level.value for level in LogLevel)
+        raise ValueError(f"log_level={value!r} is not a log level; use one of {allowed}.") from None
+
+
+@dataclass
+class DebugOptions:
+    """Debugging switches of :class:`~lightning_ort.ORTModule`, as in onnxruntime-training.
+
+    Args:
+        save_onnx: write every exported model (forward, backward, inference) and the model ONNX Runtime
+            optimized from it to ``<save_path>/<onnx_prefix>_<graph>.onnx``.
+        log_level: severity for ONNX Runtime's session logs and for the ``lightning_ort`` Python logger.
+        onnx_prefix: file name prefix of the saved models.
+        save_path: folder for the saved models; created if missing, checked for write access at once.
+
+    Example:
+        >>> options = DebugOptions(log_level=LogLevel.INFO, onnx_prefix="mlp")
+        >>> options.log_level.ort_severity
+        1
+    """
+
+    save_onnx: bool = False
+    log_level: LogLevel = LogLevel.WARNING
+    onnx_prefix: str = ""
+    save_path: str | os.PathLike[str] = field(default_factory=os.getcwd)
+
+    def __post_init__(self) -> None:
+        self.log_level = parse_log_level(self.log_level)
+        if self.save_onnx:
+            ensure_writable_dir(Path(self.save_path), argument="save_path")
+
+    def onnx_file(self, graph_name: str) -> Path:
+        """Path of the saved model called ``graph_name`` (``<save_path>/<onnx_prefix>_<graph_name>.onnx``)."""
+        stem = f"{self.onnx_prefix}_{graph_name}" if self.onnx_prefix else graph_name
+        return Path(self.save_path) / f"{stem}.onnx"
+
+
+def ensure_writable_dir(path: Path, argument: str) -> None:
+    """Create ``path`` if needed and prove it is writable, or raise naming ``argument``."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".lightning_ort_write_check"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{argument}={str(path)!r} cannot be written ({err.strerror or err}); "
+            f"pass a writable folder as {argument} or set save_onnx=False."
+        ) from err
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """How ONNX Runtime sessions are created.
+
+    Args:
+        providers: execution providers in priority order. ``None`` picks ``CUDAExecutionProvider`` for CUDA
+            tensors and ``CPUExecutionProvider`` otherwise.
+        optimization_level: ONNX Runtime graph optimization level: ``"disable"``, ``"basic"``, ``"extended"``
+            or ``"all"``.
+        intra_op_num_threads: threads for one operator; ``0`` lets ONNX Runtime decide.
+
+    Example:
+        >>> SessionSettings(optimization_level="extended").graph_optimization_level.name
+        'ORT_ENABLE_EXTENDED'
+    """
+
+    providers: tuple[str, ...] | None = None
+    optimization_level: str = "all"
+    intra_op_num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.optimization_level not in _OPTIMIZATION_LEVELS:
+            allowed = ", ".join(_OPTIMIZATION_LEVELS)
+            raise ValueError(f"optimization_level={self.optimization_level!r} is not one of {allowed}.")
+        if self.intra_op_num_threads < 0:
+            raise ValueError(f"intra_op_num_threads={self.intra_op_num_threads} must be >= 0 (0 = ORT's default).")
+        if self.providers is not None:
+            available = ort.get_available_providers()
+            unknown = [p for p in self.providers if p not in available]
+            if unknown:
+                raise ValueError(
+                    f"providers={list(self.providers)!r}: {unknown} not available in this onnxruntime build; "
+                    f"available: {available}."
+                )
+
+    @property
+    def graph_optimization_level(self) -> ort.GraphOptimizationLevel:
+        """The :class:`onnxruntime.GraphOptimizationLevel` for ``optimization_level``."""
+        return _OPTIMIZATION_LEVELS[self.optimization_level]
+
+
+_OPTIMIZATION_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def configure_logger(level: LogLevel) -> logging.Logger:
+    """Set the ``lightning_ort`` logger to ``level`` and give it a handler if the application set none."""
+    logger = logging.getLogger(_PACKAGE_LOGGER)
+    logger.setLevel(level.python_level)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    return logger
