@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.fx import traceback as fx_traceback
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.export import export_graph
 from lightning_ort.engine.session import GraphSession
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
@@ -31,7 +31,7 @@ from lightning_ort.options import DebugOptions, SessionSettings
 
 log = logging.getLogger(__name__)
 
-_DECOMPOSITIONS = core_aten_decompositions()
+_DECOMPOSITIONS = capture_decompositions()
 
 
 class CapturedGraphs:

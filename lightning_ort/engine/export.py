@@ -237,7 +237,7 @@ def _describe_export_failure(gm: torch.fx.GraphModule, name: str, err: Exception
 
 
 def _node_origin(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path, module_type = list(stack.values())[-1]
         type_name = getattr(module_type, "__name__", str(module_type))

@@ -1,0 +1,108 @@
+"""ATen decompositions applied while capturing, so every op in the graphs has an ONNX translation.
+
+Core ATen decompositions, plus:
+
+* training-mode batch norm as plain reductions: ONNX Runtime's inference build only has
+  ``BatchNormalization`` with running statistics;
+* ``aten.convolution_backward`` (no ONNX translation) as a transposed convolution for the input gradient,
+  a convolution for the weight gradient and a sum for the bias gradient.
+
+SDPA's fused backward ops are avoided at capture time instead (see :mod:`lightning_ort.engine.capture`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+
+aten = torch.ops.aten
+
+
+def convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    """Gradients of a (non-transposed) N-d convolution expressed with forward convolutions.
+
+    Example:
+        >>> x, w = torch.randn(2, 4, 7), torch.randn(6, 2, 3)
+        >>> gy = torch.randn(2, 6, 4)
+        >>> ours = convolution_backward(gy, x, w, [6], [2], [1], [1], False, [0], 2, [True, True, True])
+        >>> ref = aten.convolution_backward(gy, x, w, [6], [2], [1], [1], False, [0], 2, [True, True, True])
+        >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, ref))
+        True
+    """
+    if transposed:
+        return NotImplemented
+    spatial = len(stride)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        kernel = weight.shape[2:]
+        out_size = grad_output.shape[2:]
+        adjust = [
+            input.shape[2 + i] - ((out_size[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
+            for i in range(spatial)
+        ]
+        grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, True, adjust, groups)
+    if output_mask[1]:
+        grad_weight = _weight_grad(grad_output, input, weight, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = grad_output.sum(dim=[0, *range(2, 2 + spatial)])
+    return grad_input, grad_weight, grad_bias
+
+
+def _weight_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    # Correlate input channels with output-gradient channels over the batch: a convolution whose stride is
+    # the forward dilation and whose dilation is the forward stride.
+    batch = input.shape[0]
+    out_channels, in_per_group = weight.shape[0], weight.shape[1]
+    out_per_group = out_channels // groups
+    spatial_in, spatial_out = input.shape[2:], grad_output.shape[2:]
+    kernel = weight.shape[2:]
+    if groups == 1:
+        grad = aten.convolution(
+            input.transpose(0, 1), grad_output.transpose(0, 1), None, dilation, padding, stride, False,
+            [0] * len(stride), 1,
+        ).transpose(0, 1)
+    else:
+        x = input.reshape(batch, groups, in_per_group, *spatial_in).movedim(2, 0)
+        x = x.reshape(in_per_group, batch * groups, *spatial_in)
+        gy = grad_output.reshape(batch * groups * out_per_group, 1, *spatial_out)
+        grad = aten.convolution(x, gy, None, dilation, padding, stride, False, [0] * len(stride), batch * groups)
+        full_kernel = grad.shape[2:]
+        grad = grad.reshape(in_per_group, batch, groups, out_per_group, *full_kernel).sum(1)
+        grad = grad.movedim(0, 2).reshape(out_channels, in_per_group, *full_kernel)
+    for dim, size in enumerate(kernel):
+        grad = grad.narrow(2 + dim, 0, size)
+    return grad
+
+
+def capture_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decomposition table passed to AOTAutograd."""
+    return {
+        **core_aten_decompositions(),
+        **get_decompositions(
+            [aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm]
+        ),
+        aten.convolution_backward.default: convolution_backward,
+    }

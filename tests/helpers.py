@@ -1,0 +1,65 @@
+"""Shared helpers for comparing ORTModule against eager PyTorch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from lightning_ort.engine.signature import FlatOutputs
+
+OUTPUT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+GRAD_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
+
+
+def clone_inputs(value: Any) -> Any:
+    """Deep copy of an argument tree: same values, strides and ``requires_grad``, fresh leaves."""
+    return tree_map_only(
+        torch.Tensor,
+        lambda t: t.detach().clone().requires_grad_(t.requires_grad),
+        value,
+    )
+
+
+def leaf_tensors(value: Any) -> list[torch.Tensor]:
+    return FlatOutputs.from_output(value).tensors
+
+
+def weighted_loss(output: Any) -> torch.Tensor:
+    """A scalar depending on every differentiable output, with fixed pseudo-random cotangents."""
+    total = torch.zeros(())
+    g = torch.Generator().manual_seed(1234)
+    for tensor in leaf_tensors(output):
+        if tensor.requires_grad and tensor.is_floating_point():
+            weights = torch.randn(tensor.shape, generator=g)
+            total = total + (tensor * weights).sum()
+    return total
+
+
+def assert_same_structure(actual: Any, expected: Any) -> None:
+    """Same container types and same non-tensor leaves."""
+    assert type(actual) is type(expected), f"{type(actual)} != {type(expected)}"
+    placeholder = object()
+    strip = tree_map_only(torch.Tensor, lambda _: placeholder, actual), tree_map_only(torch.Tensor, lambda _: placeholder, expected)
+    if isinstance(actual, (tuple, list, dict)):
+        assert strip[0] == strip[1]
+
+
+def assert_outputs_close(actual: Any, expected: Any) -> None:
+    assert_same_structure(actual, expected)
+    actual_tensors, expected_tensors = leaf_tensors(actual), leaf_tensors(expected)
+    assert len(actual_tensors) == len(expected_tensors)
+    for a, e in zip(actual_tensors, expected_tensors):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert a.requires_grad == e.requires_grad
+        torch.testing.assert_close(a, e, **OUTPUT_TOLERANCE)
+
+
+def assert_grads_close(actual: torch.nn.Module, expected: torch.nn.Module) -> None:
+    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters()):
+        if e.grad is None:
+            assert a.grad is None, f"{name}: ORT produced a gradient where eager has none"
+            continue
+        assert a.grad is not None, f"{name}: no gradient from ORT"
+        torch.testing.assert_close(a.grad, e.grad, **GRAD_TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
