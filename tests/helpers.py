@@ -41,7 +41,10 @@ def assert_same_structure(actual: Any, expected: Any) -> None:
     """Same container types and same non-tensor leaves."""
     assert type(actual) is type(expected), f"{type(actual)} != {type(expected)}"
     placeholder = object()
-    strip = tree_map_only(torch.Tensor, lambda _: placeholder, actual), tree_map_only(torch.Tensor, lambda _: placeholder, expected)
+    strip = (
+        tree_map_only(torch.Tensor, lambda _: placeholder, actual),
+        tree_map_only(torch.Tensor, lambda _: placeholder, expected),
+    )
     if isinstance(actual, (tuple, list, dict)):
         assert strip[0] == strip[1]
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -28,6 +28,9 @@ from lightning_ort.engine.export import export_graph
 from lightning_ort.engine.session import GraphSession
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
 from lightning_ort.options import DebugOptions, SessionSettings
+
+if TYPE_CHECKING:
+    from torch._functorch._aot_autograd.schemas import AOTDispatchCompiler
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +104,21 @@ class CapturedGraphs:
         self._rebuild_output = flat_output.rebuild
         return flat_output.tensors
 
-    def _compiler(self, kind: str) -> Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], GraphSession]:
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> GraphSession:
+    def _compiler(self, kind: str) -> AOTDispatchCompiler:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphSession:
             name = kind if not self._tag else f"{kind}_{self._tag}"
             start = time.perf_counter()
             with torch.random.fork_rng(devices=_rng_devices(self._device)):
                 graph = export_graph(gm, example_inputs, name, verbose=self._debug.log_level.ort_severity == 0)
                 session = GraphSession(graph, self._device, self._settings, self._debug)
             seconds = time.perf_counter() - start
-            log.info("built %s graph of %s in %.2fs (providers %s)", name, type(self._module).__name__, seconds, session.providers)
+            log.info(
+                "built %s graph of %s in %.2fs (providers %s)",
+                name,
+                type(self._module).__name__,
+                seconds,
+                session.providers,
+            )
             self.sessions[kind] = session
             self._compile_seconds += seconds
             self._on_build(seconds)

@@ -81,8 +81,15 @@ def _weight_grad(
     kernel = weight.shape[2:]
     if groups == 1:
         grad = aten.convolution(
-            input.transpose(0, 1), grad_output.transpose(0, 1), None, dilation, padding, stride, False,
-            [0] * len(stride), 1,
+            input.transpose(0, 1),
+            grad_output.transpose(0, 1),
+            None,
+            dilation,
+            padding,
+            stride,
+            False,
+            [0] * len(stride),
+            1,
         ).transpose(0, 1)
     else:
         x = input.reshape(batch, groups, in_per_group, *spatial_in).movedim(2, 0)

@@ -65,7 +65,9 @@ class ExportedGraph:
     layout: OutputLayout
 
 
-def export_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str, verbose: bool) -> ExportedGraph:
+def export_graph(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str, verbose: bool
+) -> ExportedGraph:
     """Export ``gm`` (an ATen-level FX graph with static shapes) to ONNX.
 
     Args:
@@ -94,7 +96,9 @@ def export_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
-    log.debug("exported %s graph: %d nodes, %d inputs, %d outputs", name, len(model.graph.node), len(inputs), len(outputs))
+    log.debug(
+        "exported %s graph: %d nodes, %d inputs, %d outputs", name, len(model.graph.node), len(inputs), len(outputs)
+    )
     return ExportedGraph(name, model, len(example_inputs), noise, outputs, layout)
 
 
@@ -132,7 +136,9 @@ def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[Out
             sources.append(None)
             continue
         if not isinstance(value, torch.fx.Node):
-            raise ExportError(f"Captured graph returns a non-tensor value {value!r}; only tensors can leave ONNX Runtime.")
+            raise ExportError(
+                f"Captured graph returns a non-tensor value {value!r}; only tensors can leave ONNX Runtime."
+            )
         if value not in unique:
             unique.append(value)
         sources.append(unique.index(value))
@@ -166,12 +172,18 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[NoiseFactory], list
             shape, dtype = tuple(val.shape), val.dtype
             node.replace_all_uses_with(new_input(_factory(draw, shape, dtype), torch.zeros(shape, dtype=dtype)))
             graph.erase_node(node)
-        elif node.target is aten.native_dropout.default and node.args[2] and float(node.args[1]) > 0.0:
+        elif node.target is aten.native_dropout.default and node.args[2] and _scalar(node.args[1]) > 0.0:
             _lift_dropout(graph, node, new_input)
         elif node.target in (aten.bernoulli.default, aten.bernoulli.p):
             _lift_bernoulli(graph, node, new_input)
     graph.eliminate_dead_code()
     return factories, examples
+
+
+def _scalar(value: object) -> float:
+    if not isinstance(value, (int, float)):
+        raise ExportError(f"Expected a constant probability in a random op, got {value!r}.")
+    return float(value)
 
 
 def _factory(draw: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> NoiseFactory:
@@ -183,7 +195,7 @@ def _keep_mask_factory(shape: tuple[int, ...], keep: float) -> NoiseFactory:
 
 
 def _lift_dropout(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Callable[..., torch.fx.Node]) -> None:
-    x, p = node.args[0], float(node.args[1])
+    x, p = node.args[0], _scalar(node.args[1])
     val = node.meta["val"][0]
     shape = tuple(val.shape)
     mask = new_input(_keep_mask_factory(shape, 1.0 - p), torch.ones(shape, dtype=torch.bool))
@@ -203,7 +215,7 @@ def _lift_bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Calla
     uniform = new_input(_factory(torch.rand, shape, torch.float32), torch.zeros(shape))
     with graph.inserting_before(node):
         if node.target is aten.bernoulli.p:
-            draw = graph.call_function(aten.lt.Scalar, (uniform, float(node.args[1])))
+            draw = graph.call_function(aten.lt.Scalar, (uniform, _scalar(node.args[1])))
         else:
             draw = graph.call_function(aten.lt.Tensor, (uniform, node.args[0]))
         out = graph.call_function(aten._to_copy.default, (draw,), {"dtype": dtype})
@@ -227,10 +239,16 @@ def _describe_export_failure(gm: torch.fx.GraphModule, name: str, err: Exception
             "Run with DebugOptions(log_level=LogLevel.VERBOSE) for the exporter's full report."
         )
     op_name = f"{match.group(1)}.{match.group(2)}"
-    where = [_node_origin(n) for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op_name]
-    location = "; ".join(sorted({w for w in where if w})) or "unknown module"
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op_name]
+    if not nodes:
+        base = match.group(1).rsplit(".", 1)[-1]
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and base in str(n.target)]
+    graph_ops = sorted({str(n.target) for n in nodes} - {op_name})
+    lowered = f" (lowered from `{'`, `'.join(graph_ops)}`)" if graph_ops else ""
+    location = "; ".join(sorted({origin for n in nodes if (origin := _node_origin(n))})) or "unknown module"
     return (
-        f"ONNX export of the {name} graph failed at op `{op_name}` (in {location}): ONNX has no translation for it.\n"
+        f"ONNX export of the {name} graph failed at op `{op_name}`{lowered} in {location}: "
+        "ONNX has no translation for it.\n"
         "Rewrite that part of the model with supported ops, or keep that submodule outside ORTModule "
         "(wrap its siblings instead)."
     )

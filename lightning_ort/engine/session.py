@@ -8,6 +8,7 @@ current stream, so no synchronisation is needed either).
 from __future__ import annotations
 
 import logging
+
 import onnx
 import onnxruntime as ort
 import torch
@@ -62,7 +63,9 @@ class GraphSession:
 
     _boxed_call = True
 
-    def __init__(self, graph: ExportedGraph, device: torch.device, settings: SessionSettings, debug: DebugOptions) -> None:
+    def __init__(
+        self, graph: ExportedGraph, device: torch.device, settings: SessionSettings, debug: DebugOptions
+    ) -> None:
         self._graph = graph
         self._device = device
         options = ort.SessionOptions()
@@ -117,4 +120,3 @@ def _bind(bind: object, name: str, tensor: torch.Tensor) -> None:
         list(tensor.shape),
         tensor.data_ptr(),
     )
-

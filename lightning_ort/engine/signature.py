@@ -86,7 +86,11 @@ def _flatten_input(value: Any, path: str, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, _CONSTANT_TYPES):
         return ("const", type(value), value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return ("namedtuple", type(value), tuple(_flatten_input(v, f"{path}.{f}", tensors) for f, v in zip(value._fields, value)))
+        return (
+            "namedtuple",
+            type(value),
+            tuple(_flatten_input(v, f"{path}.{f}", tensors) for f, v in zip(value._fields, value)),
+        )
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_flatten_input(v, f"{path}[{i}]", tensors) for i, v in enumerate(value)))
     if isinstance(value, dict):

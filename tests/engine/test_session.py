@@ -1,0 +1,52 @@
+"""ONNX Runtime runs bind PyTorch memory directly (no copies in or out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_ort.engine.session as session_module
+from lightning_ort import ORTModule, SessionSettings
+from tests.zoo import MLP
+
+
+def test_inputs_and_outputs_are_bound_zero_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    bound: list[tuple[str, int, str]] = []
+    original_bind = session_module._bind
+
+    def recording_bind(bind: Any, name: str, tensor: torch.Tensor) -> None:
+        bound.append((bind.__name__, tensor.data_ptr(), name))
+        original_bind(bind, name, tensor)
+
+    monkeypatch.setattr(session_module, "_bind", recording_bind)
+    wrapped = ORTModule(MLP())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        out = wrapped(x)
+    input_pointers = {ptr for kind, ptr, _ in bound if kind == "bind_input"}
+    output_pointers = {ptr for kind, ptr, _ in bound if kind == "bind_output"}
+    assert x.data_ptr() in input_pointers
+    assert {p.data_ptr() for p in wrapped.parameters()} <= input_pointers
+    assert out.data_ptr() in output_pointers
+
+
+def test_non_contiguous_input_is_made_contiguous_once() -> None:
+    wrapped = ORTModule(MLP())
+    x = torch.randn(16, 4).t()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), wrapped.module(x), rtol=1e-4, atol=1e-5)
+
+
+def test_session_settings_reach_the_session() -> None:
+    wrapped = ORTModule(MLP(), session_settings=SessionSettings(optimization_level="basic", intra_op_num_threads=1))
+    wrapped(torch.randn(2, 16))
+    assert wrapped.providers == ["CPUExecutionProvider"]
+
+
+def test_bad_session_settings_fail_with_allowed_values() -> None:
+    with pytest.raises(ValueError, match="optimization_level='max' is not one of disable, basic, extended, all"):
+        SessionSettings(optimization_level="max")
+    with pytest.raises(ValueError, match="not available in this onnxruntime build"):
+        SessionSettings(providers=("NoSuchExecutionProvider",))

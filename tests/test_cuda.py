@@ -1,0 +1,62 @@
+"""The CUDA path: CUDAExecutionProvider, tensors staying on the GPU, parity with eager on the GPU."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_ort.engine.session as session_module
+from lightning_ort import ORTModule
+from tests.helpers import assert_grads_close, assert_outputs_close, clone_inputs, weighted_loss
+from tests.zoo import CASES, Case, CausalLM
+
+pytestmark = pytest.mark.cuda
+
+CUDA_CASES = [
+    c for c in CASES if c.name in {"mlp", "cnn_batchnorm_train", "transformer_encoder", "causal_lm", "dict_output"}
+]
+
+
+def _to_cuda(value: Any) -> Any:
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().cuda().requires_grad_(t.requires_grad), value
+    )
+
+
+@pytest.mark.parametrize("case", CUDA_CASES, ids=[c.name for c in CUDA_CASES])
+def test_parity_on_cuda(case: Case) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    eager = case.make_model().cuda().train(case.train)
+    wrapped = ORTModule(copy.deepcopy(eager)).train(case.train)
+    args, kwargs = _to_cuda(case.make_inputs(torch.Generator().manual_seed(1)))
+    eager_in, ort_in = clone_inputs((args, kwargs)), clone_inputs((args, kwargs))
+    expected = eager(*eager_in[0], **eager_in[1])
+    actual = wrapped(*ort_in[0], **ort_in[1])
+    assert_outputs_close(actual, expected)
+    weighted_loss(expected).backward()
+    weighted_loss(actual).backward()
+    assert_grads_close(wrapped, eager)
+    assert wrapped.providers[0] == "CUDAExecutionProvider"
+    assert (wrapped.statistics.forward_runs, wrapped.statistics.backward_runs) == (1, 1)
+
+
+def test_cuda_tensors_are_bound_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices: list[str] = []
+    original = session_module._bind
+
+    def recording(bind: Any, name: str, tensor: torch.Tensor) -> None:
+        devices.append(tensor.device.type)
+        original(bind, name, tensor)
+
+    monkeypatch.setattr(session_module, "_bind", recording)
+    wrapped = ORTModule(CausalLM().cuda())
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    logits = wrapped(ids)
+    logits.float().mean().backward()
+    assert logits.is_cuda and set(devices) == {"cuda"}
+    assert all(p.grad is not None and p.grad.is_cuda for p in wrapped.parameters())

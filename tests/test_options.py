@@ -1,0 +1,53 @@
+"""DebugOptions and LogLevel do what they say."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from lightning_ort import DebugOptions, LogLevel, ORTModule
+from lightning_ort.options import parse_log_level
+from tests.zoo import MLP
+
+
+def test_save_onnx_writes_checked_models_with_prefix(tmp_path: Path) -> None:
+    options = DebugOptions(save_onnx=True, onnx_prefix="mlp", save_path=tmp_path / "onnx")
+    wrapped = ORTModule(MLP(), options)
+    wrapped(torch.randn(2, 16)).sum().backward()
+    with torch.no_grad():
+        wrapped.eval()(torch.randn(2, 16))
+    names = sorted(p.name for p in (tmp_path / "onnx").glob("*.onnx"))
+    assert names == [
+        "mlp_backward.onnx",
+        "mlp_backward_optimized.onnx",
+        "mlp_forward.onnx",
+        "mlp_forward_optimized.onnx",
+        "mlp_inference_1.onnx",
+        "mlp_inference_1_optimized.onnx",
+    ]
+    for name in names:
+        onnx.checker.check_model(str(tmp_path / "onnx" / name))
+
+
+def test_log_level_sets_ort_severity_and_python_logger() -> None:
+    wrapped = ORTModule(MLP(), DebugOptions(log_level=LogLevel.INFO))
+    assert logging.getLogger("lightning_ort").level == logging.INFO
+    wrapped(torch.randn(1, 16))
+    session = next(iter(wrapped._sessions()))
+    assert session._session.get_session_options().log_severity_level == 1
+    ORTModule(MLP(), DebugOptions(log_level="error"))
+    assert logging.getLogger("lightning_ort").level == logging.ERROR
+
+
+def test_unknown_log_level_lists_the_allowed_values() -> None:
+    with pytest.raises(ValueError, match="VERBOSE, INFO, WARNING, ERROR, FATAL"):
+        parse_log_level("LOUD")
+    assert parse_log_level("verbose") is LogLevel.VERBOSE
+
+
+def test_onnx_file_name_without_prefix(tmp_path: Path) -> None:
+    assert DebugOptions(save_path=tmp_path).onnx_file("forward") == tmp_path / "forward.onnx"
