@@ -1,19 +1,29 @@
-"""Train PyTorch and PyTorch Lightning models through ONNX Runtime."""
+"""Train PyTorch and PyTorch Lightning models through ONNX Runtime.
+
+Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"`` and ``"ort_ddp_spawn"``.
+"""
 
 from __future__ import annotations
 
+from lightning_ort.callback import ORTCallback
 from lightning_ort.engine.cache import CacheStatistics
 from lightning_ort.engine.export import ExportError
 from lightning_ort.module import ORTModule, ORTModuleError
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
+from lightning_ort.strategies import ORTDDPStrategy, ORTSingleDeviceStrategy, register_strategies
+
+register_strategies()
 
 __all__ = [
     "CacheStatistics",
     "DebugOptions",
     "ExportError",
     "LogLevel",
+    "ORTCallback",
+    "ORTDDPStrategy",
     "ORTModule",
     "ORTModuleError",
+    "ORTSingleDeviceStrategy",
     "SessionSettings",
 ]
 

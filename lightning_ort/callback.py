@@ -1,0 +1,161 @@
+"""``ORTCallback``: ONNX Runtime training for an existing Lightning project, whatever its strategy."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
+from lightning_ort.module import ORTModule
+from lightning_ort.options import LogLevel
+from lightning_ort.wrapping import WrapConfig, wrap_submodules, wrapped_submodules
+
+log = logging.getLogger(__name__)
+
+OptimizationLevel = Literal["disable", "basic", "extended", "all"]
+
+_UNSUPPORTED_PRECISION = {"16-mixed", "bf16-mixed", "transformer-engine", "transformer-engine-float16"}
+
+
+class ORTCallback(Callback):
+    """Run the LightningModule's networks through :class:`~lightning_ort.ORTModule` and log ORT metrics.
+
+    Add it to any ``Trainer`` (``"auto"``, ``"ddp"``, single device); the ``"ort"``/``"ort_ddp"`` strategies use
+    it internally. Submodules existing at ``setup`` are wrapped before the strategy's DDP wrap; those created in
+    ``LightningModule.configure_model`` are wrapped when fitting/validation/testing/prediction starts (safe after
+    DDP: an ORTModule shares its parameters with the module it wraps).
+
+    Args:
+        modules: LightningModule attribute paths to wrap (dotted for nested ones). Default: every direct child
+            with trainable parameters that is not a torchmetrics ``Metric`` or a loss module.
+        save_onnx: save every exported and ORT-optimized ONNX model (see :class:`~lightning_ort.DebugOptions`).
+        log_level: ORT session and ``lightning_ort`` logger verbosity: VERBOSE, INFO, WARNING, ERROR, FATAL.
+        onnx_prefix: file name prefix of saved models.
+        save_path: folder for saved models (default: the working directory); checked for write access at once.
+        providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
+        optimization_level: ONNX Runtime graph optimization level.
+        intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
+        log_metrics: log ``ort/export_time_s``, ``ort/cache_hits`` and ``ort/cache_misses``.
+        prog_bar: also show those metrics in the progress bar.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=[ORTCallback(log_level="ERROR")], logger=False)
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[str] | None = None,
+        save_onnx: bool = False,
+        log_level: LogLevel = LogLevel.WARNING,
+        onnx_prefix: str = "",
+        save_path: str | os.PathLike[str] | None = None,
+        providers: Sequence[str] | None = None,
+        optimization_level: OptimizationLevel = "all",
+        intra_op_num_threads: int = 0,
+        log_metrics: bool = True,
+        prog_bar: bool = False,
+    ) -> None:
+        self._config = WrapConfig.from_arguments(
+            modules, save_onnx, log_level, onnx_prefix, save_path, providers, optimization_level, intra_op_num_threads
+        )
+        self._log_metrics = log_metrics
+        self._prog_bar = prog_bar
+        self._metrics = ORTMetrics()
+        self._summary_shown = False
+
+    @property
+    def config(self) -> WrapConfig:
+        return self._config
+
+    def wrap(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, missing_ok: bool = False
+    ) -> dict[str, ORTModule]:
+        """Wrap ``pl_module``'s configured submodules (idempotent); return every ORTModule in it."""
+        _check_precision(trainer)
+        modules = wrap_submodules(pl_module, self._config, missing_ok=missing_ok)
+        if not modules and not missing_ok:
+            raise ValueError(
+                f"ORTCallback found nothing to wrap in {type(pl_module).__name__}: no child holds trainable "
+                "parameters. Name the submodules to run in ONNX Runtime with modules=[...]."
+            )
+        return modules
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Make sure ``trainer`` calls an ORTCallback's hooks (used by the ORT strategies)."""
+        if not any(isinstance(callback, ORTCallback) for callback in trainer.callbacks):
+            trainer.callbacks.append(self)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.wrap(trainer, pl_module, missing_ok=True)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wrap(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wrap(trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wrap(trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.wrap(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        modules = wrapped_submodules(pl_module)
+        if not self._summary_shown:
+            self._summary_shown = True
+            rank_zero_info(
+                f"lightning_ort: ONNX Runtime runs these submodules (after the first step):\n{summary_table(modules)}"
+            )
+        self._log(pl_module, modules, on_step=True)
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
+
+    def _log(self, pl_module: pl.LightningModule, modules: dict[str, ORTModule], on_step: bool) -> None:
+        if not self._log_metrics:
+            return
+        values = self._metrics.compute(total_statistics(modules), device=pl_module.device)
+        for name, value in values.items():
+            pl_module.log(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=not on_step,
+                prog_bar=self._prog_bar,
+                batch_size=1,
+                sync_dist=False,
+            )
+
+
+def _check_precision(trainer: pl.Trainer) -> None:
+    precision = str(trainer.precision)
+    if precision in _UNSUPPORTED_PRECISION:
+        raise ValueError(
+            f"Trainer(precision={precision!r}) is not supported with lightning_ort: autocast inserts casts that "
+            "ONNX Runtime's kernels cannot run (no bfloat16/float16 autocast graph support yet). Use "
+            "precision='32-true', or 'bf16-true'/'16-true' to train fully in that dtype where the execution "
+            "provider has kernels for it (CUDA)."
+        )

@@ -1,0 +1,225 @@
+"""Lightning strategies that run the LightningModule's networks through ONNX Runtime.
+
+* ``"ort_ddp"`` / ``"ort_ddp_spawn"``: :class:`ORTDDPStrategy`, Lightning's DDP with every configured submodule
+  wrapped in :class:`~lightning_ort.ORTModule` before DDP wraps the LightningModule.
+* ``"ort"``: :class:`ORTSingleDeviceStrategy`, the same on one device, so one config runs on a laptop.
+
+The names are registered when ``lightning_ort`` is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from typing_extensions import override
+
+from lightning_ort.callback import OptimizationLevel, ORTCallback
+from lightning_ort.options import LogLevel
+
+log = logging.getLogger(__name__)
+
+
+class ORTDDPStrategy(DDPStrategy):
+    """DDP whose LightningModule networks run forward and backward in ONNX Runtime.
+
+    In :meth:`setup` (after ``configure_model``, before precision conversion, device placement, the DDP wrap and
+    ``configure_optimizers``) the configured submodules are wrapped with :class:`~lightning_ort.ORTModule`;
+    ``training_step``, the loss and logging stay in PyTorch. ``setup`` runs for every fit/validate/test call:
+    wrapping is idempotent. Metrics are logged by an :class:`~lightning_ort.ORTCallback` added to the trainer.
+
+    Args:
+        modules: LightningModule attribute paths to wrap; see :class:`~lightning_ort.ORTCallback`.
+        save_onnx: save exported and ORT-optimized models.
+        log_level: VERBOSE, INFO, WARNING, ERROR or FATAL.
+        onnx_prefix: file name prefix of saved models.
+        save_path: folder for saved models (default: working directory).
+        providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
+        optimization_level: ONNX Runtime graph optimization level.
+        intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
+        log_metrics: log ``ort/export_time_s``, ``ort/cache_hits``, ``ort/cache_misses``.
+        prog_bar: show those metrics in the progress bar.
+        start_method: process start method, as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: the other :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
+            (``find_unused_parameters``, ``static_graph``...).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy=ORTDDPStrategy(log_level="ERROR"), accelerator="cpu", devices=1, logger=False)
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[str] | None = None,
+        save_onnx: bool = False,
+        log_level: LogLevel = LogLevel.WARNING,
+        onnx_prefix: str = "",
+        save_path: str | os.PathLike[str] | None = None,
+        providers: Sequence[str] | None = None,
+        optimization_level: OptimizationLevel = "all",
+        intra_op_num_threads: int = 0,
+        log_metrics: bool = True,
+        prog_bar: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._ort = ORTCallback(
+            modules,
+            save_onnx,
+            log_level,
+            onnx_prefix,
+            save_path,
+            providers,
+            optimization_level,
+            intra_op_num_threads,
+            log_metrics,
+            prog_bar,
+        )
+
+    @property
+    def ort_callback(self) -> ORTCallback:
+        """The callback that wraps the submodules and logs the ORT metrics."""
+        return self._ort
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.lightning_module is not None
+        self._ort.attach(trainer)
+        self._ort.wrap(trainer, self.lightning_module)
+        super().setup(trainer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("ort_ddp", "popen"), ("ort_ddp_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"DDP through ONNX Runtime (lightning_ort), start_method '{start_method}'",
+                    start_method=start_method,
+                )
+
+
+class ORTSingleDeviceStrategy(SingleDeviceStrategy):
+    """One device, networks run in ONNX Runtime: ``Trainer(strategy="ort")``.
+
+    Takes the same ORT arguments as :class:`ORTDDPStrategy`. Without ``device`` it uses the device the Trainer's
+    accelerator picked (``accelerator="gpu", devices=1`` gives ``cuda:0``).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="ort", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'ORTSingleDeviceStrategy'
+    """
+
+    strategy_name = "ort"
+
+    def __init__(
+        self,
+        modules: Sequence[str] | None = None,
+        save_onnx: bool = False,
+        log_level: LogLevel = LogLevel.WARNING,
+        onnx_prefix: str = "",
+        save_path: str | os.PathLike[str] | None = None,
+        providers: Sequence[str] | None = None,
+        optimization_level: OptimizationLevel = "all",
+        intra_op_num_threads: int = 0,
+        log_metrics: bool = True,
+        prog_bar: bool = False,
+        device: str | torch.device | int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Lightning's accelerator connector fills an empty `parallel_devices` with the devices it chose.
+        self.parallel_devices: list[torch.device] | None = [self._root_device] if device is not None else None
+        self._ort = ORTCallback(
+            modules,
+            save_onnx,
+            log_level,
+            onnx_prefix,
+            save_path,
+            providers,
+            optimization_level,
+            intra_op_num_threads,
+            log_metrics,
+            prog_bar,
+        )
+
+    @property
+    def ort_callback(self) -> ORTCallback:
+        """The callback that wraps the submodules and logs the ORT metrics."""
+        return self._ort
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices:
+            return self.parallel_devices[0]
+        return self._root_device
+
+    @override
+    def setup_environment(self) -> None:
+        if self.parallel_devices is not None and len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"strategy='ort' trains on one device but the Trainer chose {len(self.parallel_devices)} "
+                f"({', '.join(map(str, self.parallel_devices))}); use strategy='ort_ddp' or devices=1."
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.lightning_module is not None
+        self._ort.attach(trainer)
+        self._ort.wrap(trainer, self.lightning_module)
+        super().setup(trainer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Single device through ONNX Runtime (lightning_ort)"
+            )
+
+
+def register_strategies() -> None:
+    """Register ``"ort"``, ``"ort_ddp"`` and ``"ort_ddp_spawn"`` with Lightning (safe to call repeatedly)."""
+    ORTDDPStrategy.register_strategies(StrategyRegistry)
+    ORTSingleDeviceStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,134 @@
+"""Choosing and wrapping a LightningModule's submodules with :class:`~lightning_ort.ORTModule`.
+
+Shared by :class:`~lightning_ort.ORTDDPStrategy`, :class:`~lightning_ort.ORTSingleDeviceStrategy` and
+:class:`~lightning_ort.ORTCallback`. Wrapping is idempotent: a submodule that already is an ORTModule stays.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.nn.modules.loss import _Loss
+from torchmetrics import Metric
+
+from lightning_ort.module import ORTModule
+from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
+
+
+@dataclass(frozen=True)
+class WrapConfig:
+    """What to wrap and how: the arguments the strategies and the callback share.
+
+    Args:
+        modules: attribute paths of the LightningModule to wrap (``"encoder"``, ``"model.backbone"``);
+            ``None`` wraps every direct child with trainable parameters that is not a torchmetrics ``Metric``
+            or a loss module.
+        debug_options: passed to every ORTModule.
+        session_settings: passed to every ORTModule.
+
+    Example:
+        >>> config = WrapConfig.from_arguments(modules=["net"], log_level="INFO")
+        >>> config.debug_options.log_level
+        <LogLevel.INFO: 'INFO'>
+    """
+
+    modules: tuple[str, ...] | None = None
+    debug_options: DebugOptions = field(default_factory=DebugOptions)
+    session_settings: SessionSettings = field(default_factory=SessionSettings)
+
+    @classmethod
+    def from_arguments(
+        cls,
+        modules: Sequence[str] | None = None,
+        save_onnx: bool = False,
+        log_level: LogLevel | str = LogLevel.WARNING,
+        onnx_prefix: str = "",
+        save_path: str | os.PathLike[str] | None = None,
+        providers: Sequence[str] | None = None,
+        optimization_level: str = "all",
+        intra_op_num_threads: int = 0,
+    ) -> WrapConfig:
+        """Validate the user-facing arguments (an unwritable ``save_path`` fails here, before training)."""
+        if isinstance(modules, str):
+            modules = [modules]
+        debug = DebugOptions(
+            save_onnx=save_onnx,
+            log_level=log_level,  # type: ignore[arg-type]
+            onnx_prefix=onnx_prefix,
+            save_path=save_path if save_path is not None else os.getcwd(),
+        )
+        settings = SessionSettings(
+            providers=tuple(providers) if providers else None,
+            optimization_level=optimization_level,
+            intra_op_num_threads=intra_op_num_threads,
+        )
+        return cls(tuple(modules) if modules is not None else None, debug, settings)
+
+
+def default_module_names(root: nn.Module) -> list[str]:
+    """Direct children of ``root`` holding trainable parameters, excluding metrics and losses."""
+    return [
+        name
+        for name, child in root.named_children()
+        if not isinstance(child, (Metric, _Loss)) and any(p.requires_grad for p in child.parameters())
+    ]
+
+
+def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = False) -> dict[str, ORTModule]:
+    """Replace the configured submodules of ``root`` by ORTModules; return every ORTModule under ``root``.
+
+    All names are resolved before anything is replaced, so a bad name leaves ``root`` unchanged.
+
+    Args:
+        root: the LightningModule (or any module).
+        config: which submodules and with which options.
+        missing_ok: skip configured names that do not exist yet (``configure_model`` has not run) instead of
+            failing.
+    """
+    names = list(config.modules) if config.modules is not None else default_module_names(root)
+    targets: list[tuple[nn.Module, str, nn.Module]] = []
+    for path in names:
+        found = _resolve(root, path, missing_ok)
+        if found is None:
+            continue
+        parent, attribute, module = found
+        if not isinstance(module, ORTModule):
+            targets.append((parent, attribute, module))
+    for parent, attribute, module in targets:
+        setattr(parent, attribute, ORTModule(module, config.debug_options, config.session_settings))
+    return wrapped_submodules(root)
+
+
+def wrapped_submodules(root: nn.Module) -> dict[str, ORTModule]:
+    """Every ORTModule inside ``root``, by attribute path."""
+    return {name: module for name, module in root.named_modules() if isinstance(module, ORTModule)}
+
+
+def _resolve(root: nn.Module, path: str, missing_ok: bool) -> tuple[nn.Module, str, nn.Module] | None:
+    parent = root
+    *parents, attribute = path.split(".")
+    for index, part in enumerate([*parents, attribute]):
+        child = getattr(parent, part, None)
+        if not isinstance(child, nn.Module):
+            if missing_ok and child is None:
+                return None
+            done = ".".join([*parents, attribute][:index])
+            where = f"`{done}`" if done else type(root).__name__
+            available = ", ".join(name for name, _ in parent.named_children()) or "none"
+            raise ValueError(
+                f"modules={path!r}: {where} has no submodule {part!r}. Its children are: {available}. "
+                "Pass attribute names of the LightningModule, dotted for nested ones (e.g. 'model.encoder')."
+            )
+        if index < len(parents):
+            if isinstance(child, ORTModule):
+                raise ValueError(
+                    f"modules={path!r} lies inside `{part}`, which is already an ORTModule; wrap either the outer "
+                    "module or the inner one, not both."
+                )
+            parent = child
+        else:
+            return parent, attribute, child
+    return None

@@ -1,0 +1,84 @@
+"""LightningModules and data used by the Lightning integration tests and scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+
+def token_dataset(samples: int = 64, length: int = 17, vocab: int = 40, seed: int = 0) -> TensorDataset:
+    """Counting sequences with random starts: learnable, deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (samples, 1), generator=g)
+    return TensorDataset((start + torch.arange(length)) % vocab)
+
+
+class TinyTransformerLM(pl.LightningModule):
+    """An LM with a transformer ``net``, a plain loss module and a torchmetrics metric (neither gets wrapped)."""
+
+    def __init__(self, vocab: int = 40, width: int = 32, lr: float = 3e-3, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.net = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.train_loss = MeanMetric()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=ids.device)
+        return self.head(self.net(self.embed(ids), mask=mask, is_causal=True))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        (ids,) = batch
+        logits = self(ids[:, :-1])
+        return self.loss_fn(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.train_loss(loss)
+        self.log("train_loss", loss, on_step=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0][:, :-1]).argmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_dataset(), batch_size=self.hparams.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(token_dataset(16, seed=1), batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(token_dataset(16, seed=2), batch_size=self.hparams.batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(token_dataset(8, seed=3), batch_size=self.hparams.batch_size)
+
+
+class LateHeadLM(TinyTransformerLM):
+    """Creates its head in ``configure_model``, after callbacks' ``setup``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        del self.head
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(self.hparams.width, self.hparams.vocab)

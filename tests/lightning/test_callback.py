@@ -1,0 +1,114 @@
+"""ORTCallback in a real Trainer (single process): metrics, loggers, loops, late modules, precision."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_ort import ORTCallback, ORTModule
+from tests.lightning.models import LateHeadLM, TinyTransformerLM
+
+
+def _trainer(tmp_path: Path, callbacks: list[Any] | None = None, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 6,
+        "limit_val_batches": 1,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": pl.loggers.CSVLogger(tmp_path, name="csv"),
+        "default_root_dir": tmp_path,
+        "callbacks": callbacks or [],
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+def _csv_rows(tmp_path: Path) -> list[dict[str, str]]:
+    (path,) = tmp_path.glob("csv/version_*/metrics.csv")
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_metrics_reach_callback_metrics_and_csv(tmp_path: Path) -> None:
+    model = TinyTransformerLM()
+    trainer = _trainer(tmp_path, [ORTCallback(modules=["net"], prog_bar=True)], max_steps=6, val_check_interval=3)
+    trainer.fit(model)
+    metrics = trainer.callback_metrics
+    assert isinstance(model.net, ORTModule)
+    assert float(metrics["ort/export_time_s"]) > 0
+    assert float(metrics["ort/cache_misses"]) == 2  # the training graph and the validation (eval) graph
+    rows = [r for r in _csv_rows(tmp_path) if r.get("ort/cache_hits")]
+    hits = [float(r["ort/cache_hits"]) for r in rows]
+    assert len(hits) >= 6
+    assert hits == sorted(hits) and hits[-1] > hits[0]
+    assert {float(r["ort/cache_misses"]) for r in rows if r["step"] == "5"} <= {1.0, 2.0}
+    assert trainer.progress_bar_metrics.keys() >= {"ort/cache_hits", "ort/cache_misses", "ort/export_time_s"}
+    stats = model.net.statistics
+    assert stats.forward_runs > 0 and stats.backward_runs == 6
+
+
+def test_training_matches_plain_lightning_with_accumulation_and_clipping(tmp_path: Path) -> None:
+    losses = {}
+    for name, callbacks in (("plain", []), ("ort", [ORTCallback()])):
+        torch.manual_seed(0)
+        model = TinyTransformerLM()
+        trainer = _trainer(
+            tmp_path / name,
+            callbacks,
+            max_steps=4,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            limit_val_batches=0,
+        )
+        trainer.fit(model)
+        losses[name] = [float(r["train_loss"]) for r in _csv_rows(tmp_path / name) if r.get("train_loss")]
+    assert len(losses["ort"]) == len(losses["plain"]) == 4  # one logged loss per optimizer step
+    for step, (a, b) in enumerate(zip(losses["ort"], losses["plain"])):
+        assert abs(a - b) <= 1e-3, f"batch {step}: ORT {a} vs plain {b}"
+
+
+def test_validate_test_and_predict_run_eval_graphs(tmp_path: Path) -> None:
+    model = TinyTransformerLM()
+    trainer = _trainer(tmp_path, [ORTCallback(modules=["net"])])
+    trainer.validate(model)
+    (test_results,) = trainer.test(model)
+    predictions = trainer.predict(model)
+    assert predictions is not None and predictions[0].shape == (8, 16)
+    stats = model.net.statistics
+    assert stats.backward_runs == 0 and stats.forward_runs > 0
+    kinds = {kind for entry in model.net._cache._entries.values() for kind in entry.sessions}
+    assert kinds == {"inference"}
+    assert test_results["test_loss"] > 0
+    assert test_results["ort/cache_misses"] == 1  # validate built the eval graph; test reused it
+
+
+def test_module_created_in_configure_model_is_wrapped_later(tmp_path: Path) -> None:
+    model = LateHeadLM()
+    trainer = _trainer(tmp_path, [ORTCallback(modules=["net", "head"])], max_steps=2)
+    trainer.fit(model)
+    assert isinstance(model.head, ORTModule)
+    assert model.head.statistics.backward_runs == 2
+
+
+def test_mixed_precision_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [ORTCallback()], precision="bf16-mixed")
+    with pytest.raises(ValueError, match=r"precision='bf16-mixed'\) is not supported.*'32-true'"):
+        trainer.fit(TinyTransformerLM())
+
+
+def test_module_without_trainable_children_is_an_error(tmp_path: Path) -> None:
+    model = TinyTransformerLM()
+    model.freeze()
+    trainer = _trainer(tmp_path, [ORTCallback()])
+    with pytest.raises(ValueError, match="found nothing to wrap"):
+        trainer.validate(model)
