@@ -90,8 +90,9 @@ class ORTCallback(Callback):
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Make sure ``trainer`` calls an ORTCallback's hooks (used by the ORT strategies)."""
-        if not any(isinstance(callback, ORTCallback) for callback in trainer.callbacks):
-            trainer.callbacks.append(self)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(callback, ORTCallback) for callback in callbacks):
+            callbacks.append(self)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
