@@ -6,6 +6,7 @@ Shared by :class:`~lightning_ort.ORTDDPStrategy`, :class:`~lightning_ort.ORTSing
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,11 @@ class WrapConfig:
         )
         return cls(tuple(modules) if modules is not None else None, debug, settings)
 
+    def debug_options_for(self, path: str) -> DebugOptions:
+        """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""
+        prefix = f"{self.debug_options.onnx_prefix}_{path}" if self.debug_options.onnx_prefix else path
+        return dataclasses.replace(self.debug_options, onnx_prefix=prefix)
+
 
 def default_module_names(root: nn.Module) -> list[str]:
     """Direct children of ``root`` holding trainable parameters, excluding metrics and losses."""
@@ -90,6 +96,7 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
     """
     names = list(config.modules) if config.modules is not None else default_module_names(root)
     targets: list[tuple[nn.Module, str, nn.Module]] = []
+    target_paths: list[str] = []
     for path in names:
         found = _resolve(root, path, missing_ok)
         if found is None:
@@ -97,8 +104,9 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
         parent, attribute, module = found
         if not isinstance(module, ORTModule):
             targets.append((parent, attribute, module))
-    for parent, attribute, module in targets:
-        setattr(parent, attribute, ORTModule(module, config.debug_options, config.session_settings))
+            target_paths.append(path)
+    for (parent, attribute, module), path in zip(targets, target_paths):
+        setattr(parent, attribute, ORTModule(module, config.debug_options_for(path), config.session_settings))
     return wrapped_submodules(root)
 
 

@@ -37,3 +37,27 @@ def test_bench_reports_ratios(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "speedup" in result.stdout
     assert '"train_speedup"' in out.read_text()
+
+
+def _run_example(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--fast"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.mark.slow
+def test_lightning_quickstart_runs_ort_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
+    result = _run_example("lightning_quickstart.py", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'ort/cache_hits': 18.0" in result.stdout  # 2 ranks x 3 wrapped modules x 3 reuses
+
+
+@pytest.mark.slow
+def test_existing_project_callback_example(tmp_path: Path) -> None:
+    result = _run_example("existing_project_callback.py", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "encoder ran in ONNX Runtime: 5 forward and 4 backward runs" in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from torch import nn
 
@@ -49,3 +51,15 @@ def test_name_inside_a_wrapped_module_is_refused() -> None:
     wrap_submodules(model, WrapConfig.from_arguments(modules=["net"]))
     with pytest.raises(ValueError, match="already an ORTModule"):
         wrap_submodules(model, WrapConfig.from_arguments(modules=["net.layers.0"]))
+
+
+def test_each_wrapped_module_saves_under_its_own_prefix(tmp_path: Path) -> None:
+    model = TinyTransformerLM()
+    config = WrapConfig.from_arguments(save_onnx=True, onnx_prefix="lm", save_path=tmp_path)
+    wrapped = wrap_submodules(model, config)
+    assert {name: m.debug_options.onnx_prefix for name, m in wrapped.items()} == {
+        "embed": "lm_embed",
+        "net": "lm_net",
+        "head": "lm_head",
+    }
+    assert WrapConfig().debug_options_for("net.layers.0").onnx_prefix == "net.layers.0"
