@@ -68,3 +68,42 @@ def test_training_loss_curve_tracks_eager_for_20_steps() -> None:
         assert abs(a - e) <= 1e-3, f"step {step}: ORT loss {a} vs eager {e}"
     stats = wrapped.statistics
     assert (stats.forward_runs, stats.backward_runs, stats.cache_misses) == (20, 20, 1)
+
+
+class TwoHeads(torch.nn.Module):
+    """Two ORTModules chained after a shared ORT backbone; one head reuses the backbone's parameters."""
+
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        head_a = torch.nn.Linear(16, 4)
+        head_b = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        self.shared = backbone[0]
+        self.backbone = ORTModule(backbone) if wrap else backbone
+        self.head_a = ORTModule(head_a) if wrap else head_a
+        self.head_b = ORTModule(head_b) if wrap else head_b
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.backbone(x)
+        again = self.backbone(x * 2)
+        return self.head_a(features), self.head_b(features + again).sum(-1) + self.shared(x).sum(-1)
+
+
+def test_several_ortmodules_chained_and_sharing_a_backbone() -> None:
+    torch.manual_seed(0)
+    eager = TwoHeads(wrap=False)
+    wrapped = TwoHeads(wrap=True)
+    wrapped.load_state_dict(eager.state_dict())
+    assert list(wrapped.state_dict()) == list(eager.state_dict())
+    x_e = torch.randn(5, 8, requires_grad=True)
+    x_o = x_e.detach().clone().requires_grad_()
+    expected, actual = eager(x_e), wrapped(x_o)
+    assert_outputs_close(actual, expected)
+    weighted_loss(expected).backward()
+    weighted_loss(actual).backward()
+    torch.testing.assert_close(x_o.grad, x_e.grad, **GRAD_TOLERANCE)
+    assert_grads_close(wrapped, eager)
+    for module in (wrapped.backbone, wrapped.head_a, wrapped.head_b):
+        assert module.statistics.backward_runs >= 1
+    assert wrapped.backbone.statistics.forward_runs == 2
+    assert wrapped.backbone.statistics.cache_hits == 1
