@@ -8,6 +8,7 @@ from __future__ import annotations
 from lightning_ort.callback import ORTCallback
 from lightning_ort.engine.cache import CacheStatistics
 from lightning_ort.engine.export import ExportError
+from lightning_ort.engine.session import SessionError
 from lightning_ort.module import ORTModule, ORTModuleError
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
 from lightning_ort.strategies import ORTDDPStrategy, ORTSingleDeviceStrategy, register_strategies
@@ -24,6 +25,7 @@ __all__ = [
     "ORTModule",
     "ORTModuleError",
     "ORTSingleDeviceStrategy",
+    "SessionError",
     "SessionSettings",
 ]
 

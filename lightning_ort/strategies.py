@@ -30,7 +30,22 @@ from lightning_ort.options import LogLevel
 log = logging.getLogger(__name__)
 
 
-class ORTDDPStrategy(DDPStrategy):
+class _ORTStrategyMixin:
+    """What both ORT strategies add: the ORTCallback they own and the wrapping step at the start of ``setup``."""
+
+    _ort: ORTCallback
+
+    @property
+    def ort_callback(self) -> ORTCallback:
+        """The callback that wraps the submodules and logs the ORT metrics."""
+        return self._ort
+
+    def _wrap_before_setup(self, trainer: pl.Trainer) -> None:
+        self._ort.attach(trainer)
+        self._ort.wrap(trainer, trainer.lightning_module)
+
+
+class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
     """DDP whose LightningModule networks run forward and backward in ONNX Runtime.
 
     In :meth:`setup` (after ``configure_model``, before precision conversion, device placement, the DDP wrap and
@@ -104,16 +119,9 @@ class ORTDDPStrategy(DDPStrategy):
             prog_bar,
         )
 
-    @property
-    def ort_callback(self) -> ORTCallback:
-        """The callback that wraps the submodules and logs the ORT metrics."""
-        return self._ort
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.lightning_module is not None
-        self._ort.attach(trainer)
-        self._ort.wrap(trainer, self.lightning_module)
+        self._wrap_before_setup(trainer)
         super().setup(trainer)
 
     @classmethod
@@ -129,7 +137,7 @@ class ORTDDPStrategy(DDPStrategy):
                 )
 
 
-class ORTSingleDeviceStrategy(SingleDeviceStrategy):
+class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
     """One device, networks run in ONNX Runtime: ``Trainer(strategy="ort")``.
 
     Takes the same ORT arguments as :class:`ORTDDPStrategy`. Without ``device`` it uses the device the Trainer's
@@ -183,11 +191,6 @@ class ORTSingleDeviceStrategy(SingleDeviceStrategy):
         )
 
     @property
-    def ort_callback(self) -> ORTCallback:
-        """The callback that wraps the submodules and logs the ORT metrics."""
-        return self._ort
-
-    @property
     @override
     def root_device(self) -> torch.device:
         if self.parallel_devices:
@@ -205,9 +208,7 @@ class ORTSingleDeviceStrategy(SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.lightning_module is not None
-        self._ort.attach(trainer)
-        self._ort.wrap(trainer, self.lightning_module)
+        self._wrap_before_setup(trainer)
         super().setup(trainer)
 
     @classmethod

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ort import DebugOptions, ExportError, ORTModule, ORTModuleError
+from lightning_ort import DebugOptions, ExportError, ORTModule, ORTModuleError, SessionError
 from tests.zoo import MLP, ConvBN, Shared
 
 
@@ -207,3 +207,15 @@ def test_unwritable_save_path_fails_at_construction(tmp_path: Path) -> None:
     blocker.write_text("not a folder")
     with pytest.raises(ValueError, match=r"save_path=.*cannot be written"):
         DebugOptions(save_onnx=True, save_path=blocker / "models")
+
+
+def test_missing_kernel_names_the_graph_module_and_provider() -> None:
+    wrapped = ORTModule(MLP().double())
+    with (
+        pytest.raises(
+            SessionError, match=r"MLP: ONNX Runtime could not load the inference graph .*CPUExecutionProvider.*Erf"
+        ),
+        torch.no_grad(),
+    ):
+        wrapped(torch.randn(2, 16, dtype=torch.float64))
+    assert wrapped.statistics.cached_graphs == 0

@@ -24,8 +24,8 @@ from torch.fx import traceback as fx_traceback
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.decompositions import capture_decompositions
-from lightning_ort.engine.export import export_graph
-from lightning_ort.engine.session import GraphSession
+from lightning_ort.engine.export import ExportError, export_graph
+from lightning_ort.engine.session import GraphSession, SessionError
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
 from lightning_ort.options import DebugOptions, SessionSettings
 
@@ -108,14 +108,18 @@ class CapturedGraphs:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphSession:
             name = kind if not self._tag else f"{kind}_{self._tag}"
             start = time.perf_counter()
+            owner = type(self._module).__name__
             with torch.random.fork_rng(devices=_rng_devices(self._device)):
-                graph = export_graph(gm, example_inputs, name, verbose=self._debug.log_level.ort_severity == 0)
-                session = GraphSession(graph, self._device, self._settings, self._debug)
+                try:
+                    graph = export_graph(gm, example_inputs, name, verbose=self._debug.log_level.ort_severity == 0)
+                    session = GraphSession(graph, self._device, self._settings, self._debug)
+                except (ExportError, SessionError) as err:
+                    raise type(err)(f"{owner}: {err}") from err
             seconds = time.perf_counter() - start
             log.info(
                 "built %s graph of %s in %.2fs (providers %s)",
                 name,
-                type(self._module).__name__,
+                owner,
                 seconds,
                 session.providers,
             )

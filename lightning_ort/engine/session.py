@@ -18,6 +18,11 @@ from lightning_ort.options import DebugOptions, SessionSettings
 
 log = logging.getLogger(__name__)
 
+
+class SessionError(RuntimeError):
+    """ONNX Runtime could not load an exported graph (typically: no kernel for an op/dtype on the provider)."""
+
+
 _ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
     torch.float32: onnx.TensorProto.FLOAT,
     torch.float16: onnx.TensorProto.FLOAT16,
@@ -75,9 +80,18 @@ class GraphSession:
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))
             options.optimized_model_filepath = str(debug.onnx_file(f"{graph.name}_optimized"))
-        self._session = ort.InferenceSession(
-            graph.model.SerializeToString(), sess_options=options, providers=providers_for(device, settings)
-        )
+        providers = providers_for(device, settings)
+        try:
+            self._session = ort.InferenceSession(
+                graph.model.SerializeToString(), sess_options=options, providers=providers
+            )
+        except Exception as err:
+            names = [p if isinstance(p, str) else p[0] for p in providers]
+            raise SessionError(
+                f"ONNX Runtime could not load the {graph.name} graph with providers {names}: {err}\n"
+                "If it names an op without an implementation, that op/dtype has no kernel on this provider "
+                "(e.g. float64 Erf on CPU): use float32, another provider, or keep that submodule out of ORTModule."
+            ) from err
         self._input_names = [i.name for i in self._session.get_inputs()]
         self._output_names = [o.name for o in self._session.get_outputs()]
         self.runs = 0
