@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -11,7 +11,6 @@ from torch import nn
 
 from lightning_ort.engine.cache import CacheStatistics, GraphCache
 from lightning_ort.engine.capture import CapturedGraphs
-from lightning_ort.engine.session import GraphSession
 from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
 from lightning_ort.options import DebugOptions, SessionSettings, configure_logger
 
@@ -98,9 +97,14 @@ class ORTModule(nn.Module):
     def providers(self) -> list[str]:
         """Execution providers of the sessions built so far (empty before the first call)."""
         seen: list[str] = []
-        for session in self._sessions():
+        for _, session in self._cache.sessions():
             seen.extend(p for p in session.providers if p not in seen)
         return seen
+
+    @property
+    def graphs(self) -> list[str]:
+        """Names of the graphs built so far, as in saved file names (``["forward", "backward", "inference_1"]``)."""
+        return [session.name for _, session in self._cache.sessions()]
 
     def clear_cache(self) -> None:
         """Drop every cached graph; the next call builds again. Statistics keep counting."""
@@ -148,10 +152,6 @@ class ORTModule(nn.Module):
             tuple(TensorMeta.of(t) for t in inputs.tensors),
             tuple((name, TensorMeta.of(t)) for name, t in state),
         )
-
-    def _sessions(self) -> Iterable[GraphSession]:
-        for entry in self._cache._entries.values():
-            yield from entry.sessions.values()
 
     def train(self, mode: bool = True) -> ORTModule:
         self._original_module.train(mode)

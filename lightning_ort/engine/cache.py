@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 from lightning_ort.engine.capture import CapturedGraphs
+from lightning_ort.engine.session import GraphSession
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,16 @@ class GraphCache:
             backward_runs=backward,
         )
 
+    def sessions(self) -> Iterator[tuple[str, GraphSession]]:
+        """``(kind, session)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
+        for entry in self._entries.values():
+            yield from entry.sessions.items()
+
     def _run_counts(self) -> tuple[int, int]:
         forward, backward = self._retired_runs
-        for entry in self._entries.values():
-            for kind, session in entry.sessions.items():
-                if kind == "backward":
-                    backward += session.runs
-                else:
-                    forward += session.runs
+        for kind, session in self.sessions():
+            if kind == "backward":
+                backward += session.runs
+            else:
+                forward += session.runs
         return forward, backward

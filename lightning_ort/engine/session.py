@@ -97,6 +97,11 @@ class GraphSession:
         self.runs = 0
 
     @property
+    def name(self) -> str:
+        """The graph's name, as in saved file names (``"forward"``, ``"backward_1"``...)."""
+        return self._graph.name
+
+    @property
     def providers(self) -> list[str]:
         """Execution providers the session actually uses."""
         return list(self._session.get_providers())
