@@ -1,7 +1,7 @@
 """Benchmark: training and inference steps of a transformer LM, eager PyTorch vs ORTModule, in one run.
 
 Run ``python -m lightning_ort.bench --help``. Results are ratios measured in the same process, eager and
-ORT steps interleaved so that machine noise hits both alike; ``speedup > 1`` means ORTModule is faster.
+ORT steps alternating in blocks so that machine noise hits both alike; ``speedup > 1`` means ORTModule is faster.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class BenchResult:
 def run(
     device: str, steps: int, warmup: int, batch: int, seq: int, width: int, layers: int, heads: int, vocab: int
 ) -> BenchResult:
-    """Time ``steps`` interleaved training and inference steps of eager and ORTModule copies of one model."""
+    """Time ``steps`` alternating training and inference steps of eager and ORTModule copies of one model."""
     torch.manual_seed(0)
     target = torch.device(device)
     eager = TransformerLM(vocab, width, heads, layers, seq).to(target)
@@ -90,10 +90,10 @@ def run(
         with torch.no_grad():
             return float(models[name](ids[:, :-1]).float().mean().item())
 
-    train_ms, losses = _interleaved(train_step, batches, warmup, target)
+    train_ms, losses = _alternating(train_step, batches, warmup, target)
     for model in models.values():
         model.eval()
-    infer_ms, _ = _interleaved(infer_step, batches, warmup, target)
+    infer_ms, _ = _alternating(infer_step, batches, warmup, target)
     eager_train, ort_train = statistics.median(train_ms["eager"]), statistics.median(train_ms["ort"])
     eager_infer, ort_infer = statistics.median(infer_ms["eager"]), statistics.median(infer_ms["ort"])
     return BenchResult(
@@ -118,18 +118,30 @@ def run(
     )
 
 
-def _interleaved(
-    step: Callable[[str, torch.Tensor], float], batches: list[torch.Tensor], warmup: int, device: torch.device
+def _alternating(
+    step: Callable[[str, torch.Tensor], float],
+    batches: list[torch.Tensor],
+    warmup: int,
+    device: torch.device,
+    block: int = 5,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Run both models on the same batches, alternating blocks of ``block`` timed steps.
+
+    Blocks rather than single steps: each runtime's thread pools settle between its own steps, so one runtime's
+    idle threads are not timed as the other's cost; alternation still spreads machine drift over both.
+    """
     times: dict[str, list[float]] = {"eager": [], "ort": []}
     values: dict[str, list[float]] = {"eager": [], "ort": []}
-    for index, ids in enumerate(batches):
-        for name in ("eager", "ort"):
-            _sync(device)
-            start = time.perf_counter()
-            values[name].append(step(name, ids))
-            _sync(device)
-            if index >= warmup:
+    for name in times:
+        values[name].extend(step(name, ids) for ids in batches[:warmup])
+    timed = batches[warmup:]
+    for first in range(0, len(timed), block):
+        for name in times:
+            for ids in timed[first : first + block]:
+                _sync(device)
+                start = time.perf_counter()
+                values[name].append(step(name, ids))
+                _sync(device)
                 times[name].append((time.perf_counter() - start) * 1e3)
     return times, values
 
