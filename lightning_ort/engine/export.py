@@ -59,7 +59,6 @@ class ExportedGraph:
 
     name: str
     model: onnx.ModelProto
-    num_inputs: int
     noise: list[NoiseFactory]
     outputs: list[OutputSpec]
     layout: OutputLayout
@@ -99,7 +98,7 @@ def export_graph(
     log.debug(
         "exported %s graph: %d nodes, %d inputs, %d outputs", name, len(model.graph.node), len(inputs), len(outputs)
     )
-    return ExportedGraph(name, model, len(example_inputs), noise, outputs, layout)
+    return ExportedGraph(name, model, noise, outputs, layout)
 
 
 @contextlib.contextmanager
