@@ -2,10 +2,11 @@
 
 :class:`CapturedGraphs` wraps ``module`` as a pure function of ``(parameters, buffers, input tensors)``
 and hands it to :func:`torch._functorch.aot_autograd.aot_function`: AOTAutograd traces it once with fake
-tensors, decomposes it to core ATen, partitions the joint graph with ``min_cut_rematerialization_partition``
-and calls :meth:`CapturedGraphs._compile` for each graph. Each graph becomes an ONNX model run by a
-:class:`~lightning_ort.engine.session.GraphSession`. AOTAutograd's runtime wrapper then bridges the two
-sessions to PyTorch autograd (``param.grad`` is filled as in eager) and writes buffer updates back.
+tensors, decomposes it to core ATen, rewrites the joint graph (:mod:`lightning_ort.engine.rewrites`),
+partitions it with ``min_cut_rematerialization_partition`` and calls :meth:`CapturedGraphs._compile` for
+each graph. Each graph becomes an ONNX model run by a :class:`~lightning_ort.engine.session.GraphSession`.
+AOTAutograd's runtime wrapper then bridges the two sessions to PyTorch autograd (``param.grad`` is filled
+as in eager) and writes buffer updates back.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.export import ExportError, export_graph
+from lightning_ort.engine.rewrites import optimize_joint_graph
 from lightning_ort.engine.session import GraphSession, SessionError
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
 from lightning_ort.options import DebugOptions, SessionSettings
@@ -79,7 +81,7 @@ class CapturedGraphs:
             fw_compiler=self._compiler("forward"),
             bw_compiler=self._compiler("backward"),
             inference_compiler=self._compiler("inference"),
-            partition_fn=min_cut_rematerialization_partition,
+            partition_fn=_partition,
             decompositions=_DECOMPOSITIONS,
         )
 
@@ -129,6 +131,12 @@ class CapturedGraphs:
             return session
 
         return compile_graph
+
+
+def _partition(
+    joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    return min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
 
 
 def _rng_devices(device: torch.device) -> list[int]:

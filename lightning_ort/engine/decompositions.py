@@ -104,12 +104,42 @@ def _weight_grad(
     return grad
 
 
+def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Softmax that gives zeros, not NaNs, on rows that are entirely ``-inf`` (SDPA's masked rows).
+
+    Same result as ATen's decomposition, which compares every element with ``-inf`` and reduces the
+    comparison with ``all``; a row is entirely ``-inf`` exactly when its maximum is ``-inf``, which is one
+    reduction instead of four full-size nodes.
+
+    Example:
+        >>> x = torch.tensor([[1.0, float("-inf")], [float("-inf"), float("-inf")]])
+        >>> safe_softmax(x, -1)
+        tensor([[1., 0.],
+                [0., 0.]])
+    """
+    out = torch.softmax(x, dim=dim, dtype=dtype)
+    fully_masked = x.amax(dim=dim, keepdim=True) == float("-inf")
+    return torch.where(fully_masked, torch.zeros((), dtype=out.dtype, device=out.device), out)
+
+
 def capture_decompositions() -> dict[Any, Callable[..., Any]]:
-    """The decomposition table passed to AOTAutograd."""
+    """The decomposition table passed to AOTAutograd.
+
+    ``select_backward`` stays whole so that :mod:`lightning_ort.engine.rewrites` can turn sums of them into
+    one ``stack``; the ONNX exporter decomposes any that remain.
+    """
+    core = core_aten_decompositions()
+    core.pop(aten.select_backward.default, None)
     return {
-        **core_aten_decompositions(),
+        **core,
         **get_decompositions(
-            [aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit, aten.native_batch_norm]
+            [
+                aten._native_batch_norm_legit_functional,
+                aten._native_batch_norm_legit,
+                aten.native_batch_norm,
+                aten.native_dropout,
+            ]
         ),
+        aten._safe_softmax.default: safe_softmax,
         aten.convolution_backward.default: convolution_backward,
     }

@@ -1,0 +1,114 @@
+"""Rewrites of the joint forward/backward graph that make it cheaper to run in ONNX Runtime.
+
+They run on AOTAutograd's joint graph, before it is partitioned into forward and backward graphs, so
+each rewrite sees a gradient together with the forward op it belongs to.
+
+* :func:`stack_select_gradients`: unpacking a tensor along a dimension (``q, k, v = proj``, ``unbind``)
+  has, as gradient, one ``select_backward`` per piece (each a zero tensor of the full size with one slice
+  filled in) summed together. Stacking the pieces' gradients builds the same tensor in one write.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+
+def optimize_joint_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Apply every rewrite to ``gm`` in place and return it."""
+    stacked = stack_select_gradients(gm)
+    if stacked:
+        log.debug("stacked %d sums of select_backward", stacked)
+        gm.recompile()
+    return gm
+
+
+def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
+    """Replace sums of ``select_backward`` that cover every index of a dimension by one ``stack``.
+
+    Returns the number of sums replaced.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> graph = torch.fx.Graph()
+        >>> grads = [graph.placeholder(f"g{i}") for i in range(2)]
+        >>> parts = [graph.call_function(aten.select_backward.default, (g, [2, 3], 0, i)) for i, g in enumerate(grads)]
+        >>> total = graph.call_function(aten.add.Tensor, tuple(parts))
+        >>> _ = graph.output(total)
+        >>> with FakeTensorMode() as mode:
+        ...     for node in grads:
+        ...         node.meta["val"] = torch.empty(3)
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        >>> stack_select_gradients(gm)
+        1
+        >>> [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        [<OpOverload(op='aten.stack', overload='default')>]
+    """
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.add.Tensor:
+            continue
+        if any(user.target is aten.add.Tensor and len(node.users) == 1 for user in node.users):
+            continue
+        pieces = _select_backward_leaves(node)
+        if pieces is None:
+            continue
+        sizes, dim = list(pieces[0].args[1]), int(pieces[0].args[2])
+        by_index = {int(piece.args[3]) % sizes[dim]: piece.args[0] for piece in pieces}
+        if any(list(p.args[1]) != sizes or int(p.args[2]) != dim for p in pieces) or len(by_index) != len(pieces):
+            continue
+        if sorted(by_index) != list(range(sizes[dim])):
+            continue
+        grads = [by_index[i] for i in range(sizes[dim])]
+        with gm.graph.inserting_before(node):
+            stacked = gm.graph.call_function(aten.stack.default, (grads, dim))
+        stacked.meta = {**node.meta, "val": _stacked_value([g.meta["val"] for g in grads], dim)}
+        node.replace_all_uses_with(stacked)
+        _erase_tree(gm.graph, node)
+        replaced += 1
+    return replaced
+
+
+def _select_backward_leaves(root: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The ``select_backward`` nodes summed by the tree of ``add`` nodes rooted at ``root``, or ``None``."""
+    leaves: list[torch.fx.Node] = []
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        for arg in node.args:
+            if not isinstance(arg, torch.fx.Node) or len(arg.users) != 1:
+                return None
+            if arg.target is aten.add.Tensor:
+                pending.append(arg)
+            elif arg.target is aten.select_backward.default:
+                leaves.append(arg)
+            else:
+                return None
+    return leaves
+
+
+def _erase_tree(graph: torch.fx.Graph, root: torch.fx.Node) -> None:
+    operands = [arg for arg in root.args if isinstance(arg, torch.fx.Node)]
+    graph.erase_node(root)
+    for operand in operands:
+        if operand.target is aten.add.Tensor:
+            _erase_tree(graph, operand)
+        else:
+            graph.erase_node(operand)
+
+
+def _stacked_value(values: list[torch.Tensor], dim: int) -> torch.Tensor:
+    fake_mode = detect_fake_mode(values)
+    if fake_mode is None:
+        return torch.stack(values, dim)
+    with fake_mode:
+        return torch.stack(values, dim)
