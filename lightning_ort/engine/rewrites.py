@@ -11,6 +11,7 @@ each rewrite sees a gradient together with the forward op it belongs to.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -57,14 +58,14 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
             continue
         if any(user.target is aten.add.Tensor and len(node.users) == 1 for user in node.users):
             continue
-        pieces = _select_backward_leaves(node)
-        if pieces is None:
+        leaves = _select_backward_leaves(node)
+        pieces = [piece for leaf in leaves or [] if (piece := _SelectGradient.of(leaf)) is not None]
+        if not pieces or len(pieces) != len(leaves or []):
             continue
-        sizes, dim = list(pieces[0].args[1]), int(pieces[0].args[2])
-        by_index = {int(piece.args[3]) % sizes[dim]: piece.args[0] for piece in pieces}
-        if any(list(p.args[1]) != sizes or int(p.args[2]) != dim for p in pieces) or len(by_index) != len(pieces):
-            continue
-        if sorted(by_index) != list(range(sizes[dim])):
+        sizes, dim = pieces[0].sizes, pieces[0].dim
+        by_index = {piece.index % sizes[dim]: piece.grad for piece in pieces}
+        same_shape = all(p.sizes == sizes and p.dim == dim for p in pieces)
+        if not same_shape or len(by_index) != len(pieces) or sorted(by_index) != list(range(sizes[dim])):
             continue
         grads = [by_index[i] for i in range(sizes[dim])]
         with gm.graph.inserting_before(node):
@@ -74,6 +75,26 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
         _erase_tree(gm.graph, node)
         replaced += 1
     return replaced
+
+
+@dataclass(frozen=True)
+class _SelectGradient:
+    """The arguments of one ``select_backward(grad, sizes, dim, index)`` node."""
+
+    grad: torch.fx.Node
+    sizes: list[int]
+    dim: int
+    index: int
+
+    @classmethod
+    def of(cls, node: torch.fx.Node) -> _SelectGradient | None:
+        grad, sizes, dim, index = node.args
+        if not isinstance(grad, torch.fx.Node) or not isinstance(sizes, (list, tuple)):
+            return None
+        int_sizes = [size for size in sizes if isinstance(size, int)]
+        if len(int_sizes) != len(sizes) or not isinstance(dim, int) or not isinstance(index, int):
+            return None
+        return cls(grad, int_sizes, dim % len(sizes), index)
 
 
 def _select_backward_leaves(root: torch.fx.Node) -> list[torch.fx.Node] | None:
