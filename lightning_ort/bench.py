@@ -1,149 +1,409 @@
-"""Benchmark: training and inference steps of a transformer LM, eager PyTorch vs ORTModule, in one run.
+"""Benchmark: training steps of eager PyTorch, ``torch.compile`` (inductor) and ORTModule, in one process.
 
-Run ``python -m lightning_ort.bench --help``. Results are ratios measured in the same process, eager and
-ORT steps alternating in blocks so that machine noise hits both alike; ``speedup > 1`` means ORTModule is faster.
+``python -m lightning_ort.bench`` runs each reference workload (``transformer``, ``mlp``, ``cnn``) or your own
+(``--module pkg.mod:factory``) with the three runtimes in alternation, blocks of steps at a time, and prints
+the median steady-state step (forward, backward, AdamW), its ratio to eager (``> 1`` is faster than eager),
+the first step's cost (ORT: capture, export and session creation; inductor: compilation), the peak memory
+(measured in a fresh process per runtime) and the step's distance to the matrix-product floor of this
+machine, measured in the same run. It then times ``Trainer(strategy="ort")`` against a plain loop over an
+ORTModule of the first workload.
+
+A factory for ``--module`` takes a :class:`torch.device` and returns ``(module, inputs, loss_fn)``: ``inputs``
+a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tensor.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import importlib
 import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ort.module import ORTModule
 
-
-class TransformerLM(nn.Module):
-    """Embedding, positional table, ``nn.TransformerEncoder`` with a causal mask, and an LM head.
-
-    Example:
-        >>> TransformerLM(vocab=50, width=16, heads=2, layers=1, context=8)(torch.zeros(2, 8, dtype=torch.long)).shape
-        torch.Size([2, 8, 50])
-    """
-
-    def __init__(self, vocab: int, width: int, heads: int, layers: int, context: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.position = nn.Parameter(torch.zeros(context, width))
-        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(width, vocab)
-        self.causal_mask: torch.Tensor
-        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        length = ids.shape[1]
-        hidden = self.embed(ids) + self.position[:length]
-        hidden = self.encoder(hidden, mask=self.causal_mask[:length, :length], is_causal=True)
-        return self.head(hidden)
+RUNTIMES = ("eager", "inductor", "ort")
 
 
 @dataclass
-class BenchResult:
-    """One benchmark run's numbers (milliseconds are medians over the timed steps)."""
+class Workload:
+    """A model, one batch of inputs and a loss: what one training step runs."""
+
+    name: str
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[Any], torch.Tensor]
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 conv/BatchNorm layers with a skip connection (a 1x1 projection when the shape changes).
+
+    Example:
+        >>> ResidualBlock(3, 8, stride=2)(torch.randn(2, 3, 8, 8)).shape
+        torch.Size([2, 8, 4, 4])
+    """
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.skip = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class TransformerLM(nn.Module):
+    """``Embedding(vocab, width)``, a pre-norm ``nn.TransformerEncoder`` and a ``Linear(width, vocab)`` head.
+
+    Example:
+        >>> TransformerLM(vocab=50, width=16, heads=2, layers=1)(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 50])
+    """
+
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+
+def _token_loss(targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def transformer_workload(device: torch.device) -> Workload:
+    """Embedding(1000, 256), 4 pre-norm layers (8 heads, ff 1024, dropout 0.1), 32 x 64 tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (32, 65), generator=g).to(device)
+    model = TransformerLM(vocab=1000, width=256, heads=8, layers=4)
+    return Workload("transformer", model, (ids[:, :-1],), _token_loss(ids[:, 1:]))
+
+
+def mlp_workload(device: torch.device) -> Workload:
+    """Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10), batch 256."""
+    g = torch.Generator().manual_seed(1)
+    x, labels = torch.randn(256, 512, generator=g).to(device), torch.randint(0, 10, (256,), generator=g).to(device)
+    model = nn.Sequential(
+        nn.Linear(512, 2048), nn.GELU(), nn.LayerNorm(2048), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10)
+    )
+    return Workload("mlp", model, (x,), _token_loss(labels))
+
+
+def cnn_workload(device: torch.device) -> Workload:
+    """A ResNet-style stem and three stages (32, 64, 128 channels) on 64 images of 32x32x3, 10 classes."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(64, 3, 32, 32, generator=g).to(device)
+    labels = torch.randint(0, 10, (64,), generator=g).to(device)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        ResidualBlock(32, 32, 1),
+        ResidualBlock(32, 64, 2),
+        ResidualBlock(64, 128, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    )
+    return Workload("cnn", model, (images,), _token_loss(labels))
+
+
+WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
+    "transformer": transformer_workload,
+    "mlp": mlp_workload,
+    "cnn": cnn_workload,
+}
+
+
+def load_factory(spec: str) -> Callable[[torch.device], Workload]:
+    """Turn ``"pkg.mod:factory"`` into a workload factory (see the module docstring for the contract)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"--module expects 'package.module:factory', got {spec!r}.")
+    factory = getattr(importlib.import_module(module_name), attribute)
+
+    def build(device: torch.device) -> Workload:
+        model, inputs, loss_fn = factory(device)
+        return Workload(spec, model, tuple(inputs), loss_fn)
+
+    return build
+
+
+@dataclass
+class RuntimeResult:
+    """One runtime on one workload. Times in milliseconds, memory in MiB."""
+
+    step_ms: float
+    speedup_vs_eager: float
+    first_step_s: float
+    floor_ratio: float
+    peak_memory_mib: float
+    step_ms_all: list[float] = field(repr=False)
+
+
+@dataclass
+class WorkloadResult:
+    """All runtimes on one workload, with the matrix-product floor of the step."""
+
+    workload: str
+    matmul_gflop: float
+    floor_ms: float
+    runtimes: dict[str, RuntimeResult]
+    max_abs_loss_diff_ort: float
+
+
+@dataclass
+class LightningResult:
+    """``Trainer(strategy="ort")`` against a plain loop over the same ORTModule (median ms per step)."""
+
+    workload: str
+    plain_loop_ms: float
+    trainer_ms: float
+    overhead: float
+
+
+@dataclass
+class BenchReport:
+    """Everything one benchmark run measured."""
 
     device: str
-    config: dict[str, int]
-    eager_train_ms: float
-    ort_train_ms: float
-    train_speedup: float
-    eager_infer_ms: float
-    ort_infer_ms: float
-    infer_speedup: float
-    export_seconds: float
-    max_abs_loss_diff: float
+    torch_version: str
+    onnxruntime_version: str
+    threads: int
+    matmul_gflops: float
+    steps: int
+    workloads: list[WorkloadResult]
+    lightning: LightningResult | None
 
 
-def run(
-    device: str, steps: int, warmup: int, batch: int, seq: int, width: int, layers: int, heads: int, vocab: int
-) -> BenchResult:
-    """Time ``steps`` alternating training and inference steps of eager and ORTModule copies of one model."""
-    torch.manual_seed(0)
-    target = torch.device(device)
-    eager = TransformerLM(vocab, width, heads, layers, seq).to(target)
-    wrapped = ORTModule(copy.deepcopy(eager))
-    optimizers = {
-        "eager": torch.optim.AdamW(eager.parameters(), lr=1e-3),
-        "ort": torch.optim.AdamW(wrapped.parameters(), lr=1e-3),
-    }
-    models: dict[str, nn.Module] = {"eager": eager, "ort": wrapped}
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(target) for _ in range(steps + warmup)]
+def peak_memory_mib(workload_spec: str, runtime: str, device: torch.device) -> float:
+    """Peak memory of one runtime's setup and two training steps, measured in a fresh process.
 
-    def train_step(name: str, ids: torch.Tensor) -> float:
-        logits = models[name](ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
-        optimizers[name].zero_grad(set_to_none=True)
-        loss.backward()
-        optimizers[name].step()
-        return loss.item()
-
-    def infer_step(name: str, ids: torch.Tensor) -> float:
-        with torch.no_grad():
-            return float(models[name](ids[:, :-1]).float().mean().item())
-
-    train_ms, losses = _alternating(train_step, batches, warmup, target)
-    for model in models.values():
-        model.eval()
-    infer_ms, _ = _alternating(infer_step, batches, warmup, target)
-    eager_train, ort_train = statistics.median(train_ms["eager"]), statistics.median(train_ms["ort"])
-    eager_infer, ort_infer = statistics.median(infer_ms["eager"]), statistics.median(infer_ms["ort"])
-    return BenchResult(
-        device=device,
-        config={
-            "batch": batch,
-            "seq": seq,
-            "width": width,
-            "layers": layers,
-            "heads": heads,
-            "vocab": vocab,
-            "steps": steps,
-        },
-        eager_train_ms=eager_train,
-        ort_train_ms=ort_train,
-        train_speedup=eager_train / ort_train,
-        eager_infer_ms=eager_infer,
-        ort_infer_ms=ort_infer,
-        infer_speedup=eager_infer / ort_infer,
-        export_seconds=wrapped.statistics.export_seconds,
-        max_abs_loss_diff=max(abs(a - b) for a, b in zip(losses["eager"], losses["ort"])),
-    )
-
-
-def _alternating(
-    step: Callable[[str, torch.Tensor], float],
-    batches: list[torch.Tensor],
-    warmup: int,
-    device: torch.device,
-    block: int = 5,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Run both models on the same batches, alternating blocks of ``block`` timed steps.
-
-    Blocks rather than single steps: each runtime's thread pools settle between its own steps, so one runtime's
-    idle threads are not timed as the other's cost; alternation still spreads machine drift over both.
+    On CPU: the process's peak resident memory minus its resident memory once the workload is built (so
+    it counts the model copy, optimizer state, compiled graphs, ONNX Runtime's arenas and the steps'
+    activations). On CUDA: PyTorch's peak allocated memory (ONNX Runtime's own CUDA arena is not in it).
+    A separate process per runtime, because freed memory is not reliably returned to the system.
     """
-    times: dict[str, list[float]] = {"eager": [], "ort": []}
-    values: dict[str, list[float]] = {"eager": [], "ort": []}
-    for name in times:
-        values[name].extend(step(name, ids) for ids in batches[:warmup])
-    timed = batches[warmup:]
-    for first in range(0, len(timed), block):
-        for name in times:
-            for ids in timed[first : first + block]:
-                _sync(device)
-                start = time.perf_counter()
-                values[name].append(step(name, ids))
-                _sync(device)
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times, values
+    command = [sys.executable, "-m", "lightning_ort.bench", "--memory-probe", runtime, "--device", str(device)]
+    command += ["--module", workload_spec] if workload_spec not in WORKLOADS else ["--workload", workload_spec]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"memory probe for {runtime} on {workload_spec} failed:\n{result.stderr[-2000:]}")
+    return float(json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"])
+
+
+def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/statm") as statm:
+            baseline = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    runner = _Runner(runtime, workload, device)
+    runner.step()
+    runner.step()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return (peak - baseline) / 2**20
+
+
+def matmul_gflops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matrix-product rate (GFLOP/s), measured with ``torch.mm``."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    torch.mm(a, b)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    _sync(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def step_matmul_flops(workload: Workload) -> int:
+    """FLOPs of the matrix products (matmuls, convolutions, attention) in one forward and backward."""
+    model = copy.deepcopy(workload.model)
+    with FlopCounterMode(display=False) as counter:
+        workload.loss_fn(model(*workload.inputs)).backward()
+    return int(counter.get_total_flops())
+
+
+class _Runner:
+    """One runtime's copy of the model, its optimizer and its step."""
+
+    def __init__(self, name: str, workload: Workload, device: torch.device) -> None:
+        model = copy.deepcopy(workload.model)
+        self.name = name
+        self.model: nn.Module = model
+        if name == "inductor":
+            self.model = torch.compile(model)  # type: ignore[assignment]
+        elif name == "ort":
+            self.model = ORTModule(model)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.workload = workload
+        self.device = device
+        self.losses: list[float] = []
+        self.times_ms: list[float] = []
+        self.first_step_s = 0.0
+
+    def step(self) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        loss = self.workload.loss_fn(self.model(*self.workload.inputs))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        _sync(self.device)
+        elapsed = time.perf_counter() - start
+        self.losses.append(loss.item())
+        return elapsed
+
+
+def run_workload(
+    workload: Workload, device: torch.device, steps: int, warmup: int, gflops: float, block: int = 5
+) -> WorkloadResult:
+    """Time every runtime on ``workload``: warm-up, then ``steps`` timed steps in alternating blocks."""
+    runners: list[_Runner] = []
+    for name in RUNTIMES:
+        torch.manual_seed(0)
+        runner = _Runner(name, workload, device)
+        runner.first_step_s = runner.step()
+        for _ in range(warmup):
+            runner.step()
+        runners.append(runner)
+    for first in range(0, steps, block):
+        for runner in runners:
+            runner.times_ms.extend(runner.step() * 1e3 for _ in range(min(block, steps - first)))
+    flops = step_matmul_flops(workload)
+    floor_ms = flops / (gflops * 1e9) * 1e3
+    eager_ms = statistics.median(runners[0].times_ms)
+    results = {
+        r.name: RuntimeResult(
+            step_ms=statistics.median(r.times_ms),
+            speedup_vs_eager=eager_ms / statistics.median(r.times_ms),
+            first_step_s=r.first_step_s,
+            floor_ratio=statistics.median(r.times_ms) / floor_ms,
+            peak_memory_mib=peak_memory_mib(workload.name, r.name, device),
+            step_ms_all=r.times_ms,
+        )
+        for r in runners
+    }
+    ort_losses = runners[2].losses
+    loss_diff = max(abs(a - b) for a, b in zip(runners[0].losses, ort_losses))
+    return WorkloadResult(workload.name, flops / 1e9, floor_ms, results, loss_diff)
+
+
+def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: int) -> LightningResult:
+    """Median step of ``Trainer(strategy="ort")`` and of a plain loop over an ORTModule of the same model."""
+    import lightning.pytorch as pl
+
+    class StepTimer(pl.Callback):
+        def __init__(self) -> None:
+            self.times_ms: list[float] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+            _sync(device)
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            _sync(device)
+            self.times_ms.append((time.perf_counter() - self._start) * 1e3)
+
+    class BenchModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(workload.model)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return workload.loss_fn(self.net(*workload.inputs))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self) -> list[int]:
+            return list(range(steps + warmup + 1))
+
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        strategy="ort",
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        max_steps=steps + warmup + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(BenchModule())
+    plain = _Runner("ort", workload, device)
+    plain_ms = [plain.step() * 1e3 for _ in range(steps + warmup + 1)][warmup + 1 :]
+    trainer_ms = statistics.median(timer.times_ms[warmup + 1 :])
+    plain_median = statistics.median(plain_ms)
+    return LightningResult(workload.name, plain_median, trainer_ms, trainer_ms / plain_median - 1.0)
+
+
+def format_report(report: BenchReport) -> str:
+    """The report as the table the command prints."""
+    lines = [
+        f"lightning_ort benchmark on {report.device} ({report.threads} threads), torch {report.torch_version}, "
+        f"onnxruntime {report.onnxruntime_version}",
+        f"matrix-product rate: {report.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
+        f"median of {report.steps} steps",
+        "",
+        f"{'workload':<12}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
+        f"{'first step s':>14}{'peak MiB':>10}",
+    ]
+    for result in report.workloads:
+        for name, r in result.runtimes.items():
+            lines.append(
+                f"{result.workload:<12}{name:<10}{r.step_ms:>9.1f}{r.speedup_vs_eager:>9.2f}x{result.floor_ms:>10.1f}"
+                f"{r.floor_ratio:>8.2f}x{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
+            )
+        lines.append(
+            f"{'':<12}({result.matmul_gflop:.1f} GFLOP of matrix products per step; "
+            f"max |loss eager - loss ORT| {result.max_abs_loss_diff_ort:.1e})"
+        )
+    if report.lightning is not None:
+        light = report.lightning
+        lines += [
+            "",
+            f"Lightning on {light.workload}: Trainer(strategy='ort') {light.trainer_ms:.1f} ms/step, plain ORTModule "
+            f"loop {light.plain_loop_ms:.1f} ms/step: {light.overhead:+.1%}",
+        ]
+    return "\n".join(lines)
 
 
 def _sync(device: torch.device) -> None:
@@ -151,33 +411,48 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: list[str] | None = None) -> BenchResult:
+def main(argv: Sequence[str] | None = None) -> BenchReport:
+    """Command-line entry point; returns the report it printed."""
+    import onnxruntime
+
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="repeatable; default: all")
+    parser.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--json", type=Path, help="also write the result as JSON to this file")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
+    parser.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+    parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    result = run(
-        args.device, args.steps, args.warmup, args.batch, args.seq, args.width, args.layers, args.heads, args.vocab
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    device = torch.device(args.device)
+    factories = [WORKLOADS[name] for name in args.workload or ([] if args.module else list(WORKLOADS))]
+    factories += [load_factory(spec) for spec in args.module]
+    workloads = [factory(device) for factory in factories]
+    for workload in workloads:
+        workload.model.to(device)
+    if args.memory_probe:
+        print(json.dumps({"peak_mib": _memory_probe(workloads[0], args.memory_probe, device)}))
+        sys.exit(0)
+    gflops = matmul_gflops(device)
+    results = [run_workload(w, device, args.steps, args.warmup, gflops) for w in workloads]
+    lightning = None if args.no_lightning else run_lightning(workloads[0], device, args.steps, args.warmup)
+    report = BenchReport(
+        device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        torch_version=torch.__version__,
+        onnxruntime_version=onnxruntime.__version__,
+        threads=torch.get_num_threads(),
+        matmul_gflops=gflops,
+        steps=args.steps,
+        workloads=results,
+        lightning=lightning,
     )
-    print(f"lightning_ort benchmark on {result.device}: {result.config}")
-    for label, eager_ms, ort_ms, speedup in (
-        ("train", result.eager_train_ms, result.ort_train_ms, result.train_speedup),
-        ("infer", result.eager_infer_ms, result.ort_infer_ms, result.infer_speedup),
-    ):
-        print(f"  {label} step  eager {eager_ms:8.2f} ms   ORT {ort_ms:8.2f} ms   speedup {speedup:5.2f}x")
-    print(f"  first-call graph building: {result.export_seconds:.2f} s")
-    print(f"  max |loss eager - loss ORT| over the run: {result.max_abs_loss_diff:.2e}")
+    print(format_report(report))
     if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=2))
-    return result
+        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2))
+    return report
 
 
 if __name__ == "__main__":

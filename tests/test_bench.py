@@ -1,0 +1,63 @@
+"""``python -m lightning_ort.bench`` runs every workload in a quick mode and writes its figures (no speed asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ort import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_workload(device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...], object]:
+    """A ``--module`` factory: ``(module, inputs, loss_fn)``."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(device)
+    x = torch.randn(4, 8, device=device)
+    return model, (x,), lambda out: out.square().mean()
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_all_reference_workloads_and_a_user_module(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["--workload", "transformer", "--workload", "mlp", "--workload", "cnn"]
+    args += ["--module", "tests.test_bench:tiny_workload", "--steps", "2", "--warmup", "0", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    names = [w["workload"] for w in report["workloads"]]
+    assert names == ["transformer", "mlp", "cnn", "tests.test_bench:tiny_workload"]
+    for workload in report["workloads"]:
+        assert set(workload["runtimes"]) == {"eager", "inductor", "ort"}
+        assert workload["floor_ms"] > 0
+        # dropout masks differ between eager and ORT, so only the dropout-free workloads agree closely
+        assert workload["max_abs_loss_diff_ort"] < (0.5 if workload["workload"] == "transformer" else 1e-3)
+        for runtime in workload["runtimes"].values():
+            assert len(runtime["step_ms_all"]) == 2
+            assert runtime["first_step_s"] > 0
+            assert runtime["peak_memory_mib"] > 0
+    assert report["workloads"][0]["matmul_gflop"] == pytest.approx(43, rel=0.1)
+    assert report["lightning"]["workload"] == "transformer"
+    for line in ("vs eager", "x floor", "first step s", "peak MiB", "Trainer(strategy='ort')"):
+        assert line in result.stdout
+
+
+def test_matmul_flops_of_the_mlp_step() -> None:
+    workload = bench.mlp_workload(torch.device("cpu"))
+    forward = 2 * 256 * (512 * 2048 + 2048 * 2048 + 2048 * 10)
+    # backward: weight gradients of all three layers, input gradients of the last two (the input needs none)
+    backward = 2 * 256 * (512 * 2048 + 2 * 2048 * 2048 + 2 * 2048 * 10)
+    assert bench.step_matmul_flops(workload) == forward + backward
+
+
+def test_module_spec_errors_name_the_expected_form() -> None:
+    with pytest.raises(ValueError, match=r"package\.module:factory"):
+        bench.load_factory("no_colon_here")
