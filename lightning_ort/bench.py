@@ -20,7 +20,6 @@ import dataclasses
 import importlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -232,7 +231,9 @@ def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> flo
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # VmHWM, not getrusage's ru_maxrss: the latter keeps the parent's high-water mark across fork and exec.
+        with open("/proc/self/status") as status:
+            peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     return (peak - baseline) / 2**20
 
 
