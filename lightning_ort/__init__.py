@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from lightning_ort.callback import ORTCallback
 from lightning_ort.engine.cache import CacheStatistics
+from lightning_ort.engine.capture import CaptureError, FallbackWarning
+from lightning_ort.engine.disk_cache import DiskCacheWarning
 from lightning_ort.engine.export import ExportError
 from lightning_ort.engine.session import SessionError
 from lightning_ort.module import ORTModule, ORTModuleError
@@ -17,8 +19,11 @@ register_strategies()
 
 __all__ = [
     "CacheStatistics",
+    "CaptureError",
     "DebugOptions",
+    "DiskCacheWarning",
     "ExportError",
+    "FallbackWarning",
     "LogLevel",
     "ORTCallback",
     "ORTDDPStrategy",

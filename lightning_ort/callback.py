@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
 from lightning_ort.module import ORTModule
-from lightning_ort.options import LogLevel
+from lightning_ort.options import Fallback, LogLevel
 from lightning_ort.wrapping import WrapConfig, wrap_submodules, wrapped_submodules
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,10 @@ class ORTCallback(Callback):
         providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
         optimization_level: ONNX Runtime graph optimization level.
         intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
-        log_metrics: log ``ort/export_time_s``, ``ort/cache_hits`` and ``ort/cache_misses``.
+        fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
+        cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
+            loads them instead of exporting again (default: no on-disk cache).
+        log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: also show those metrics in the progress bar.
 
     Example:
@@ -60,11 +63,22 @@ class ORTCallback(Callback):
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
+        fallback: Fallback = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
         log_metrics: bool = True,
         prog_bar: bool = False,
     ) -> None:
         self._config = WrapConfig.from_arguments(
-            modules, save_onnx, log_level, onnx_prefix, save_path, providers, optimization_level, intra_op_num_threads
+            modules,
+            save_onnx,
+            log_level,
+            onnx_prefix,
+            save_path,
+            providers,
+            optimization_level,
+            intra_op_num_threads,
+            fallback,
+            cache_dir,
         )
         self._log_metrics = log_metrics
         self._prog_bar = prog_bar

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_ort.engine.cache import CacheStatistics, GraphCache
-from lightning_ort.engine.capture import CapturedGraphs
+from lightning_ort.engine.capture import BuildOptions, CapturedGraphs
+from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
-from lightning_ort.options import DebugOptions, SessionSettings, configure_logger
+from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +38,20 @@ class ORTModule(nn.Module):
     The wrapper shares the wrapped module's parameters, buffers and submodules: ``state_dict()`` keys,
     ``parameters()`` and checkpoints are the same as without it. Wrap before ``DistributedDataParallel``.
 
+    Ops that ONNX cannot express (custom ops, a few rare ATen ops) run in PyTorch between ONNX Runtime
+    partitions of the same graph; a call whose control flow depends on tensor values (``if x.sum() > 0``) runs
+    in PyTorch for that input signature. Both warn once (:class:`~lightning_ort.FallbackWarning`) naming the ops
+    and submodules; ``fallback="raise"`` makes them errors.
+
     Args:
         module: the model to run in ONNX Runtime.
         debug_options: saving ONNX files and log verbosity (see :class:`~lightning_ort.DebugOptions`).
         session_settings: execution providers, optimization level and threads of the sessions.
+        fallback: ``"auto"`` (default) runs what ONNX cannot express in PyTorch, with a warning; ``"raise"``
+            fails instead, naming the op, its submodule and what to do.
+        cache_dir: a folder where exported graphs are saved; a later process training the same model with the
+            same input shapes loads them instead of exporting again. ``None`` (default) keeps graphs in memory
+            only. An unwritable folder is reported with a warning and training goes on without it.
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -53,6 +66,8 @@ class ORTModule(nn.Module):
         module: nn.Module,
         debug_options: DebugOptions | None = None,
         session_settings: SessionSettings | None = None,
+        fallback: Fallback = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
@@ -63,14 +78,19 @@ class ORTModule(nn.Module):
                 f"ORTModule must wrap the model before {type(module).__name__} does: "
                 "use DistributedDataParallel(ORTModule(model)). DataParallel is not supported."
             )
+        fallback = parse_fallback(fallback)
         super().__init__()
         debug = debug_options if debug_options is not None else DebugOptions()
         object.__setattr__(self, "_original_module", module)
         for name in _SHARED_STATE:
             self.__dict__[name] = module.__dict__[name]
         self.training = module.training
-        self._debug_options = debug
-        self._session_settings = session_settings if session_settings is not None else SessionSettings()
+        self._build_options = BuildOptions(
+            session_settings if session_settings is not None else SessionSettings(),
+            debug,
+            fallback,
+            DiskCache(cache_dir) if cache_dir is not None else None,
+        )
         self._forward_parameter_names = forward_parameter_names(module)
         self._cache = GraphCache()
         configure_logger(debug.log_level)
@@ -82,11 +102,21 @@ class ORTModule(nn.Module):
 
     @property
     def debug_options(self) -> DebugOptions:
-        return self._debug_options
+        return self._build_options.debug
 
     @property
     def session_settings(self) -> SessionSettings:
-        return self._session_settings
+        return self._build_options.settings
+
+    @property
+    def fallback(self) -> Fallback:
+        return self._build_options.fallback
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """The on-disk graph cache folder, or ``None`` when graphs are kept in memory only."""
+        disk = self._build_options.disk_cache
+        return disk.directory if disk is not None else None
 
     @property
     def statistics(self) -> CacheStatistics:
@@ -97,14 +127,14 @@ class ORTModule(nn.Module):
     def providers(self) -> list[str]:
         """Execution providers of the sessions built so far (empty before the first call)."""
         seen: list[str] = []
-        for _, session in self._cache.sessions():
-            seen.extend(p for p in session.providers if p not in seen)
+        for _, runner in self._cache.runners():
+            seen.extend(p for p in runner.providers if p not in seen)
         return seen
 
     @property
     def graphs(self) -> list[str]:
         """Names of the graphs built so far, as in saved file names (``["forward", "backward", "inference_1"]``)."""
-        return [session.name for _, session in self._cache.sessions()]
+        return [runner.name for _, runner in self._cache.runners()]
 
     def clear_cache(self) -> None:
         """Drop every cached graph; the next call builds again. Statistics keep counting."""
@@ -126,9 +156,8 @@ class ORTModule(nn.Module):
                 inputs,
                 device,
                 tag,
-                self._session_settings,
-                self._debug_options,
-                self._cache.add_export_time,
+                self._build_options,
+                self._cache.build_log,
             )
 
         entry, is_new = self._cache.get_or_build(key, build)

@@ -8,10 +8,28 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import onnxruntime as ort
 
 _PACKAGE_LOGGER = "lightning_ort"
+
+Fallback = Literal["auto", "raise"]
+"""What ORTModule does with ops ONNX cannot express: run them in PyTorch (``"auto"``) or fail (``"raise"``)."""
+
+
+def parse_fallback(value: str) -> Fallback:
+    """Check a ``fallback`` argument.
+
+    Example:
+        >>> parse_fallback("raise")
+        'raise'
+    """
+    if value == "auto":
+        return "auto"
+    if value == "raise":
+        return "raise"
+    raise ValueError(f"fallback={value!r} is not a fallback policy; use 'auto' (run such ops in PyTorch) or 'raise'.")
 
 
 class LogLevel(str, enum.Enum):

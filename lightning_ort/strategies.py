@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from typing_extensions import override
 
 from lightning_ort.callback import OptimizationLevel, ORTCallback
-from lightning_ort.options import LogLevel
+from lightning_ort.options import Fallback, LogLevel
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
         optimization_level: ONNX Runtime graph optimization level.
         intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
-        log_metrics: log ``ort/export_time_s``, ``ort/cache_hits``, ``ort/cache_misses``.
+        fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
+        cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
+            loads them instead of exporting again (default: no on-disk cache).
+        log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: show those metrics in the progress bar.
         start_method: process start method, as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: the other :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
@@ -83,6 +86,8 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
+        fallback: Fallback = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
         log_metrics: bool = True,
         prog_bar: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -115,6 +120,8 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             providers,
             optimization_level,
             intra_op_num_threads,
+            fallback,
+            cache_dir,
             log_metrics,
             prog_bar,
         )
@@ -162,6 +169,8 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
+        fallback: Fallback = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
         log_metrics: bool = True,
         prog_bar: bool = False,
         device: str | torch.device | int | None = None,
@@ -186,6 +195,8 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
             providers,
             optimization_level,
             intra_op_num_threads,
+            fallback,
+            cache_dir,
             log_metrics,
             prog_bar,
         )

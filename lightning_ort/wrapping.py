@@ -16,7 +16,7 @@ from torch.nn.modules.loss import _Loss
 from torchmetrics import Metric
 
 from lightning_ort.module import ORTModule
-from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
+from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, parse_fallback
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class WrapConfig:
             or a loss module.
         debug_options: passed to every ORTModule.
         session_settings: passed to every ORTModule.
+        fallback: passed to every ORTModule.
+        cache_dir: passed to every ORTModule (one folder serves them all: keys differ by graph).
 
     Example:
         >>> config = WrapConfig.from_arguments(modules=["net"], log_level="INFO")
@@ -39,6 +41,8 @@ class WrapConfig:
     modules: tuple[str, ...] | None = None
     debug_options: DebugOptions = field(default_factory=DebugOptions)
     session_settings: SessionSettings = field(default_factory=SessionSettings)
+    fallback: Fallback = "auto"
+    cache_dir: str | os.PathLike[str] | None = None
 
     @classmethod
     def from_arguments(
@@ -51,6 +55,8 @@ class WrapConfig:
         providers: Sequence[str] | None = None,
         optimization_level: str = "all",
         intra_op_num_threads: int = 0,
+        fallback: Fallback = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> WrapConfig:
         """Validate the user-facing arguments (an unwritable ``save_path`` fails here, before training)."""
         if isinstance(modules, str):
@@ -66,7 +72,9 @@ class WrapConfig:
             optimization_level=optimization_level,
             intra_op_num_threads=intra_op_num_threads,
         )
-        return cls(tuple(modules) if modules is not None else None, debug, settings)
+        return cls(
+            tuple(modules) if modules is not None else None, debug, settings, parse_fallback(fallback), cache_dir
+        )
 
     def debug_options_for(self, path: str) -> DebugOptions:
         """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""
@@ -106,7 +114,10 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
             targets.append((parent, attribute, module))
             target_paths.append(path)
     for (parent, attribute, module), path in zip(targets, target_paths):
-        setattr(parent, attribute, ORTModule(module, config.debug_options_for(path), config.session_settings))
+        wrapped = ORTModule(
+            module, config.debug_options_for(path), config.session_settings, config.fallback, config.cache_dir
+        )
+        setattr(parent, attribute, wrapped)
     return wrapped_submodules(root)
 
 

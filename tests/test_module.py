@@ -193,7 +193,7 @@ class OddOp(nn.Module):
 def test_export_failure_names_the_op_and_module_and_keeps_module_intact() -> None:
     model = Untranslatable()
     before = copy.deepcopy(model.state_dict())
-    wrapped = ORTModule(model)
+    wrapped = ORTModule(model, fallback="raise")
     with pytest.raises(ExportError, match=r"zeta.*module `odd` \(OddOp\)"), torch.no_grad():
         wrapped(torch.rand(2, 4))
     assert wrapped.statistics.cache_misses == 0 and wrapped.statistics.cached_graphs == 0

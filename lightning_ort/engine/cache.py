@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from lightning_ort.engine.capture import CapturedGraphs
-from lightning_ort.engine.session import GraphSession
+from lightning_ort.engine.capture import BuildLog, CapturedGraphs, GraphRunner
 
 
 @dataclass(frozen=True)
@@ -14,13 +13,20 @@ class CacheStatistics:
     """What an :class:`~lightning_ort.ORTModule` spent building graphs and how often it reused them.
 
     Attributes:
-        export_seconds: wall time spent building graphs: tracing, ONNX export, ONNX Runtime session creation
-            (the first call of each new signature, plus its backward graph's build).
+        export_seconds: wall time spent turning captured graphs into ONNX Runtime sessions: ONNX export (or
+            loading from ``cache_dir``) and session creation, for every new signature's graphs.
+        capture_seconds: wall time spent capturing new signatures with AOTAutograd (tracing, decomposition,
+            forward/backward partitioning). The first-call cost of a signature is ``capture_seconds +
+            export_seconds`` (see :attr:`build_seconds`).
         cache_hits: forward calls that reused a cached graph.
         cache_misses: forward calls that built a new graph.
         cached_graphs: signatures currently cached.
         forward_runs: ONNX Runtime runs of forward and inference graphs.
         backward_runs: ONNX Runtime runs of backward graphs.
+        onnx_exports: graphs (or graph partitions) translated to ONNX.
+        disk_cache_loads: graphs (or partitions) loaded from ``cache_dir`` instead of being exported.
+        fallback_ops: ops of the built graphs that run in PyTorch because ONNX cannot express them.
+        eager_signatures: call signatures that run entirely in PyTorch (control flow depending on tensor values).
 
     Example:
         >>> CacheStatistics().cache_hits
@@ -28,11 +34,21 @@ class CacheStatistics:
     """
 
     export_seconds: float = 0.0
+    capture_seconds: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
     cached_graphs: int = 0
     forward_runs: int = 0
     backward_runs: int = 0
+    onnx_exports: int = 0
+    disk_cache_loads: int = 0
+    fallback_ops: int = 0
+    eager_signatures: int = 0
+
+    @property
+    def build_seconds(self) -> float:
+        """Everything spent building graphs: ``capture_seconds + export_seconds``."""
+        return self.capture_seconds + self.export_seconds
 
 
 class GraphCache:
@@ -48,8 +64,8 @@ class GraphCache:
         self._entries: dict[Hashable, CapturedGraphs] = {}
         self._hits = 0
         self._misses = 0
-        self._export_seconds = 0.0
         self._retired_runs = (0, 0)
+        self.build_log = BuildLog()
 
     def get_or_build(self, key: Hashable, build: Callable[[str], CapturedGraphs]) -> tuple[CapturedGraphs, bool]:
         """The entry for ``key`` and whether it is new; ``build(tag)`` makes it on a miss.
@@ -70,9 +86,6 @@ class GraphCache:
         if self._entries.pop(key, None) is not None:
             self._misses -= 1
 
-    def add_export_time(self, seconds: float) -> None:
-        self._export_seconds += seconds
-
     def clear(self) -> None:
         """Drop every graph (statistics are kept)."""
         self._retired_runs = self._run_counts()
@@ -80,23 +93,29 @@ class GraphCache:
 
     def statistics(self) -> CacheStatistics:
         forward, backward = self._run_counts()
+        build = self.build_log
         return CacheStatistics(
-            export_seconds=self._export_seconds,
+            export_seconds=build.export_seconds,
+            capture_seconds=build.capture_seconds,
             cache_hits=self._hits,
             cache_misses=self._misses,
             cached_graphs=len(self._entries),
             forward_runs=forward,
             backward_runs=backward,
+            onnx_exports=build.onnx_exports,
+            disk_cache_loads=build.disk_cache_loads,
+            fallback_ops=build.fallback_ops,
+            eager_signatures=build.eager_signatures,
         )
 
-    def sessions(self) -> Iterator[tuple[str, GraphSession]]:
-        """``(kind, session)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
+    def runners(self) -> Iterator[tuple[str, GraphRunner]]:
+        """``(kind, runner)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
         for entry in self._entries.values():
-            yield from entry.sessions.items()
+            yield from entry.runners
 
     def _run_counts(self) -> tuple[int, int]:
         forward, backward = self._retired_runs
-        for kind, session in self.sessions():
+        for kind, session in self.runners():
             if kind == "backward":
                 backward += session.runs
             else:

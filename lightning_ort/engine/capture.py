@@ -13,23 +13,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.decompositions import capture_decompositions
+from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.export import ExportError, export_graph
+from lightning_ort.engine.partition import PartitionCall, PartitionedGraph, describe_ops, split_graph, unsupported_nodes
 from lightning_ort.engine.rewrites import optimize_joint_graph
-from lightning_ort.engine.session import GraphSession, SessionError
+from lightning_ort.engine.session import GraphSession, SessionError, provider_names
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
-from lightning_ort.options import DebugOptions, SessionSettings
+from lightning_ort.options import DebugOptions, Fallback, SessionSettings
 
 if TYPE_CHECKING:
     from torch._functorch._aot_autograd.schemas import AOTDispatchCompiler
@@ -37,6 +45,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DECOMPOSITIONS = capture_decompositions()
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How :class:`CapturedGraphs` turns captured graphs into ONNX Runtime sessions.
+
+    Args:
+        settings: ONNX Runtime session settings.
+        debug: debug options.
+        fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch (and a whole call in PyTorch when its
+            control flow depends on tensor values), warning once; ``"raise"`` makes both an error.
+        disk_cache: where exported graphs are saved and looked up, or ``None``.
+    """
+
+    settings: SessionSettings = field(default_factory=SessionSettings)
+    debug: DebugOptions = field(default_factory=DebugOptions)
+    fallback: Fallback = "auto"
+    disk_cache: DiskCache | None = None
+
+
+@dataclass
+class BuildLog:
+    """What building graphs cost and how it went, accumulated by :class:`CapturedGraphs` of one ORTModule.
+
+    Example:
+        >>> BuildLog().onnx_exports
+        0
+    """
+
+    capture_seconds: float = 0.0
+    export_seconds: float = 0.0
+    onnx_exports: int = 0
+    disk_cache_loads: int = 0
+    fallback_ops: int = 0
+    eager_signatures: int = 0
+
+
+GraphRunner = GraphSession | PartitionedGraph
 
 
 class CapturedGraphs:
@@ -48,10 +94,8 @@ class CapturedGraphs:
         inputs: the flattened call this signature was made from.
         device: where the graph runs.
         tag: distinguishes this signature's saved files (``"forward"``, ``"forward_1"``...).
-        settings: ONNX Runtime session settings.
-        debug: debug options.
-        on_build: called with seconds spent building: tracing on the first call, then each graph's export
-            and session creation.
+        options: how graphs become sessions.
+        build_log: where build time and counts are added up.
     """
 
     def __init__(
@@ -61,21 +105,20 @@ class CapturedGraphs:
         inputs: FlatInputs,
         device: torch.device,
         tag: str,
-        settings: SessionSettings,
-        debug: DebugOptions,
-        on_build: Callable[[float], None],
+        options: BuildOptions,
+        build_log: BuildLog,
     ) -> None:
         self._module = module
         self._state_names = list(state_names)
         self._inputs = inputs
         self._device = device
         self._tag = tag
-        self._settings = settings
-        self._debug = debug
-        self._on_build = on_build
+        self._options = options
+        self._log = build_log
         self._rebuild_output: Callable[[Sequence[torch.Tensor]], Any] | None = None
+        self._eager_reason: str | None = None
         self._compile_seconds = 0.0
-        self.sessions: dict[str, GraphSession] = {}
+        self.runners: list[tuple[str, GraphRunner]] = []
         self._function = aot_function(
             self._functional_forward,
             fw_compiler=self._compiler("forward"),
@@ -85,13 +128,24 @@ class CapturedGraphs:
             decompositions=_DECOMPOSITIONS,
         )
 
+    @property
+    def runs_in_pytorch(self) -> bool:
+        """Whether this signature runs entirely in PyTorch (its control flow depends on tensor values)."""
+        return self._eager_reason is not None
+
     def __call__(self, state: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> Any:
         """Run the graphs on the current ``state`` (parameters, buffers) and input ``tensors``."""
+        if self._eager_reason is not None:
+            return self._run_eager(tensors)
         if self._rebuild_output is None:
             start, compiled_before = time.perf_counter(), self._compile_seconds
-            with _capture_context(self._module):
-                flat = self._function(*state, *tensors)
-            self._on_build(time.perf_counter() - start - (self._compile_seconds - compiled_before))
+            try:
+                with _capture_context(self._module):
+                    flat = self._function(*state, *tensors)
+            except _DATA_DEPENDENT_ERRORS as err:
+                self._log.capture_seconds += time.perf_counter() - start
+                return self._fall_back_to_eager(err, tensors)
+            self._log.capture_seconds += time.perf_counter() - start - (self._compile_seconds - compiled_before)
         else:
             flat = self._function(*state, *tensors)
         assert self._rebuild_output is not None
@@ -106,37 +160,159 @@ class CapturedGraphs:
         self._rebuild_output = flat_output.rebuild
         return flat_output.tensors
 
+    def _run_eager(self, tensors: Sequence[torch.Tensor]) -> Any:
+        args, kwargs = self._inputs.rebuild(tensors)
+        return self._module(*args, **kwargs)
+
+    def _fall_back_to_eager(self, err: Exception, tensors: Sequence[torch.Tensor]) -> Any:
+        owner = type(self._module).__name__
+        where = _user_frame(err)
+        if self._options.fallback == "raise":
+            raise CaptureError(
+                f"{owner}: its forward reads tensor values at {where} ({type(err).__name__}), so one graph cannot "
+                "represent it. Express the branch with tensor ops (torch.where, masking), move it outside the "
+                "wrapped module, or pass fallback='auto' to run such calls in PyTorch."
+            ) from err
+        self._eager_reason = where
+        self._log.eager_signatures += 1
+        warnings.warn(
+            f"lightning_ort: {owner} runs in PyTorch for this input signature: its forward reads tensor values at "
+            f"{where} (a data-dependent branch or .item()), which one ONNX graph cannot represent. Pass "
+            "fallback='raise' to make this an error.",
+            FallbackWarning,
+            stacklevel=4,
+        )
+        return self._run_eager(tensors)
+
     def _compiler(self, kind: str) -> AOTDispatchCompiler:
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphSession:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner:
             name = kind if not self._tag else f"{kind}_{self._tag}"
             start = time.perf_counter()
             owner = type(self._module).__name__
             with torch.random.fork_rng(devices=_rng_devices(self._device)):
                 try:
-                    graph = export_graph(gm, example_inputs, name, verbose=self._debug.log_level.ort_severity == 0)
-                    session = GraphSession(graph, self._device, self._settings, self._debug)
+                    runner = self._build(gm, example_inputs, name)
                 except (ExportError, SessionError) as err:
                     raise type(err)(f"{owner}: {err}") from err
             seconds = time.perf_counter() - start
-            log.info(
-                "built %s graph of %s in %.2fs (providers %s)",
-                name,
-                owner,
-                seconds,
-                session.providers,
-            )
-            self.sessions[kind] = session
+            log.info("built %s graph of %s in %.2fs (providers %s)", name, owner, seconds, runner.providers)
+            self.runners.append((kind, runner))
             self._compile_seconds += seconds
-            self._on_build(seconds)
-            return session
+            self._log.export_seconds += seconds
+            return runner
 
         return compile_graph
+
+    def _build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphRunner:
+        cached = self._load(gm, example_inputs, name)
+        if cached is not None:
+            return cached
+        unsupported = unsupported_nodes(gm)
+        if not unsupported:
+            try:
+                return self._session(gm, example_inputs, name)
+            except ExportError as err:
+                if self._options.fallback == "raise" or not err.nodes:
+                    raise
+                return self._split(gm, list(err.nodes), name)
+        if self._options.fallback == "raise":
+            raise ExportError(
+                f"the {name} graph calls ops that ONNX cannot express: {describe_ops(unsupported)}.\n"
+                "Rewrite that part of the model with supported ops, keep that submodule outside ORTModule, or pass "
+                "fallback='auto' to run just those ops in PyTorch.",
+                [node.name for node in unsupported],
+            )
+        return self._split(gm, [node.name for node in unsupported], name)
+
+    def _split(self, gm: torch.fx.GraphModule, unsupported: list[str], name: str) -> PartitionedGraph:
+        """Run ``unsupported`` nodes in PyTorch and the rest in ONNX Runtime partitions.
+
+        A partition whose export fails at another op gets that op moved to PyTorch as well, and the graph is
+        split again.
+        """
+        while True:
+            split, partitions = split_graph(gm, unsupported)
+            sessions: list[GraphSession] = []
+            try:
+                for index, partition in enumerate(partitions):
+                    sub = getattr(split, partition)
+                    examples = [node.meta["val"] for node in sub.graph.nodes if node.op == "placeholder"]
+                    sessions.append(self._session(sub, examples, f"{name}_part{index}"))
+                    setattr(split, partition, PartitionCall(sub, sessions[-1]))
+            except ExportError as err:
+                if not err.nodes or set(err.nodes) <= set(unsupported):
+                    raise
+                unsupported = [*unsupported, *err.nodes]
+                continue
+            in_pytorch = [node for node in gm.graph.nodes if node.name in set(unsupported)]
+            self._log.fallback_ops += len(in_pytorch)
+            warnings.warn(
+                f"lightning_ort: {type(self._module).__name__}'s {name} graph runs {len(in_pytorch)} op(s) in "
+                f"PyTorch because ONNX cannot express them: {describe_ops(in_pytorch)}. The rest runs in ONNX Runtime "
+                f"({len(sessions)} partition(s)). Pass fallback='raise' to make this an error.",
+                FallbackWarning,
+                stacklevel=2,
+            )
+            return PartitionedGraph(split, name, sessions, len(in_pytorch))
+
+    def _load(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession | None:
+        """A session on ``gm``'s graph saved in the disk cache, or ``None`` if there is none."""
+        disk = self._options.disk_cache
+        if disk is None or not disk.enabled:
+            return None
+        graph = disk.load(self._disk_key(disk, gm, example_inputs), name)
+        if graph is None:
+            return None
+        self._log.disk_cache_loads += 1
+        return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+
+    def _session(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession:
+        """Export ``gm`` (or load it from the disk cache), save it there, and open a session on it."""
+        cached = self._load(gm, example_inputs, name)
+        if cached is not None:
+            return cached
+        verbose = self._options.debug.log_level.ort_severity == 0
+        graph = export_graph(gm, example_inputs, name, verbose=verbose)
+        self._log.onnx_exports += 1
+        disk = self._options.disk_cache
+        if disk is not None and disk.enabled:
+            disk.store(self._disk_key(disk, gm, example_inputs), graph)
+        return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+
+    def _disk_key(self, disk: DiskCache, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+        return disk.key(gm, example_inputs, self._device, provider_names(self._device, self._options.settings))
+
+
+class CaptureError(RuntimeError):
+    """The wrapped module could not be captured as one graph and ``fallback="raise"`` was asked for."""
+
+
+class FallbackWarning(UserWarning):
+    """Part of a model (some ops, or a whole call) runs in PyTorch instead of ONNX Runtime."""
+
+
+_DATA_DEPENDENT_ERRORS = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+)
 
 
 def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     return min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
+
+
+def _user_frame(err: BaseException) -> str:
+    """``file:line`` of the innermost traceback frame outside torch and lightning_ort (the user's code)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    user = [f for f in frames if not f.filename.startswith(internal)]
+    if not user:
+        return "an unknown line"
+    frame = user[-1]
+    return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
 
 
 def _rng_devices(device: torch.device) -> list[int]:

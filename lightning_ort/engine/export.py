@@ -30,11 +30,18 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-NoiseFactory = Callable[[torch.device], torch.Tensor]
-
 
 class ExportError(RuntimeError):
-    """ONNX export of a captured graph failed; the message names the op and where it came from."""
+    """ONNX export of a captured graph failed; the message names the op and where it came from.
+
+    Args:
+        message: what failed, where, and what to do.
+        nodes: names of the graph nodes calling the op that failed, when the failure names one.
+    """
+
+    def __init__(self, message: str, nodes: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.nodes = tuple(nodes)
 
 
 @dataclass(frozen=True)
@@ -53,13 +60,45 @@ class OutputSpec:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class Noise:
+    """How to draw one lifted random input before each run (plain data, so a graph can be saved to disk).
+
+    ``kind`` is ``"uniform"`` (``torch.rand``), ``"normal"`` (``torch.randn``) or ``"threshold"``: a boolean
+    mask ``u <compare> threshold`` for ``u`` uniform on [0, 1), drawn from 16 random bits per element (see
+    :func:`_lift_uniform_threshold`).
+
+    Example:
+        >>> Noise("threshold", (2, 3), torch.bool, compare="gt", threshold=0.5).draw(torch.device("cpu")).dtype
+        torch.bool
+    """
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    compare: str = ""
+    threshold: float = 0.0
+
+    def draw(self, device: torch.device) -> torch.Tensor:
+        if self.kind == "uniform":
+            return torch.rand(self.shape, dtype=self.dtype, device=device)
+        if self.kind == "normal":
+            return torch.randn(self.shape, dtype=self.dtype, device=device)
+        # u = (bits + 2**15) / 2**16 is uniform on [0, 1) in steps of 2**-16; compare the bits with the
+        # equivalent threshold instead of materialising u.
+        numel = math.prod(self.shape)
+        bits = torch.empty(-(-numel // 4), dtype=torch.int64, device=device).random_(-(2**63), None)
+        compare = getattr(torch, self.compare)
+        return compare(bits.view(torch.int16)[:numel], self.threshold * 65536.0 - 32768.0).view(self.shape)
+
+
 @dataclass
 class ExportedGraph:
     """An ONNX model plus what the session runner needs to feed it and read it back."""
 
     name: str
     model: onnx.ModelProto
-    noise: list[NoiseFactory]
+    noise: list[Noise]
     outputs: list[OutputSpec]
     layout: OutputLayout
 
@@ -70,11 +109,12 @@ def export_graph(
     """Export ``gm`` (an ATen-level FX graph with static shapes) to ONNX.
 
     Args:
-        gm: the graph; it is modified in place (outputs normalised, random ops lifted).
+        gm: the graph (not modified: the export works on a copy).
         example_inputs: one (fake or real) tensor per placeholder.
         name: graph name used in messages and file names (``"forward"``, ``"backward"``...).
         verbose: let ``torch.onnx`` print its progress.
     """
+    gm = copy_graph_module(gm)
     layout, outputs = _normalise_outputs(gm)
     fake_mode = detect_fake_mode(example_inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -83,10 +123,10 @@ def export_graph(
     inputs = (*example_inputs, *noise_examples)
     gm.eval()
     try:
-        with _quiet_exporter(verbose):
+        with quiet_exporter(verbose):
             program = torch.onnx.export(gm, inputs, dynamo=True, verbose=verbose, optimize=True)
     except Exception as err:
-        raise ExportError(_describe_export_failure(gm, name, err)) from err
+        raise _export_failure(gm, name, err) from err
     if program is None or program.model_proto is None:
         raise ExportError(f"torch.onnx.export returned no model for the {name} graph.")
     model = program.model_proto
@@ -101,8 +141,15 @@ def export_graph(
     return ExportedGraph(name, model, noise, outputs, layout)
 
 
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with its own graph (same node names and metadata; attributes shared)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
 @contextlib.contextmanager
-def _quiet_exporter(verbose: bool) -> Iterator[None]:
+def quiet_exporter(verbose: bool) -> Iterator[None]:
     """Keep ``torch.onnx``'s progress lines and warnings out of the user's console unless ``verbose``."""
     if verbose:
         yield
@@ -146,19 +193,20 @@ def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[Out
     return OutputLayout(tuple(sources)), specs
 
 
-def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[NoiseFactory], list[torch.Tensor]]:
+def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.Tensor]]:
     graph = gm.graph
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    factories: list[NoiseFactory] = []
+    noises: list[Noise] = []
     examples: list[torch.Tensor] = []
 
-    def new_input(factory: NoiseFactory, example: torch.Tensor) -> torch.fx.Node:
+    def new_input(noise: Noise) -> torch.fx.Node:
         nonlocal last_placeholder
         with graph.inserting_after(last_placeholder):
-            node = graph.placeholder(f"noise_{len(factories)}")
+            node = graph.placeholder(f"noise_{len(noises)}")
+        example = torch.zeros(noise.shape, dtype=noise.dtype)
         node.meta["val"] = example
         last_placeholder = node
-        factories.append(factory)
+        noises.append(noise)
         examples.append(example)
         return node
 
@@ -169,24 +217,19 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[NoiseFactory], list
         if node.target in _UNIFORM_OPS and _lift_uniform_threshold(graph, node, new_input):
             continue
         if node.target in _UNIFORM_OPS or node.target in _NORMAL_OPS:
-            draw = torch.rand if node.target in _UNIFORM_OPS else torch.randn
-            shape, dtype = tuple(val.shape), val.dtype
-            node.replace_all_uses_with(new_input(_factory(draw, shape, dtype), torch.zeros(shape, dtype=dtype)))
+            kind = "uniform" if node.target in _UNIFORM_OPS else "normal"
+            node.replace_all_uses_with(new_input(Noise(kind, tuple(val.shape), val.dtype)))
             graph.erase_node(node)
         elif node.target in (aten.bernoulli.default, aten.bernoulli.p):
             _lift_bernoulli(graph, node, new_input)
     graph.eliminate_dead_code()
-    return factories, examples
+    return noises, examples
 
 
 def _scalar(value: object) -> float:
     if not isinstance(value, (int, float)):
         raise ExportError(f"Expected a constant probability in a random op, got {value!r}.")
     return float(value)
-
-
-def _factory(draw: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> NoiseFactory:
-    return lambda device: draw(shape, dtype=dtype, device=device)
 
 
 def _lift_uniform_threshold(
@@ -206,32 +249,17 @@ def _lift_uniform_threshold(
     if compare.target not in _THRESHOLD_OPS or compare.args[0] is not node or not isinstance(compare.args[1], float):
         return False
     shape = tuple(node.meta["val"].shape)
-    mask = new_input(_threshold_factory(shape, compare.target, compare.args[1]), torch.zeros(shape, dtype=torch.bool))
+    mask = new_input(Noise("threshold", shape, torch.bool, _THRESHOLD_OPS[compare.target], compare.args[1]))
     compare.replace_all_uses_with(mask)
     graph.erase_node(compare)
     graph.erase_node(node)
     return True
 
 
-def _threshold_factory(shape: tuple[int, ...], compare: object, threshold: float) -> NoiseFactory:
-    # u = (bits + 2**15) / 2**16 is uniform on [0, 1) in steps of 2**-16; compare the bits with the
-    # equivalent threshold instead of materialising u.
-    bits_threshold = threshold * 65536.0 - 32768.0
-    numel = math.prod(shape)
-    words = -(-numel // 4)
-    op = _THRESHOLD_OPS[compare]
-
-    def draw(device: torch.device) -> torch.Tensor:
-        bits = torch.empty(words, dtype=torch.int64, device=device).random_(-(2**63), None)
-        return op(bits.view(torch.int16)[:numel], bits_threshold).view(shape)
-
-    return draw
-
-
 def _lift_bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Callable[..., torch.fx.Node]) -> None:
     val = node.meta["val"]
     shape, dtype = tuple(val.shape), val.dtype
-    uniform = new_input(_factory(torch.rand, shape, torch.float32), torch.zeros(shape))
+    uniform = new_input(Noise("uniform", shape, torch.float32))
     with graph.inserting_before(node):
         if node.target is aten.bernoulli.p:
             draw = graph.call_function(aten.lt.Scalar, (uniform, _scalar(node.args[1])))
@@ -242,11 +270,11 @@ def _lift_bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Calla
     graph.erase_node(node)
 
 
-_THRESHOLD_OPS: dict[object, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    aten.gt.Scalar: torch.gt,
-    aten.ge.Scalar: torch.ge,
-    aten.lt.Scalar: torch.lt,
-    aten.le.Scalar: torch.le,
+_THRESHOLD_OPS: dict[object, str] = {
+    aten.gt.Scalar: "gt",
+    aten.ge.Scalar: "ge",
+    aten.lt.Scalar: "lt",
+    aten.le.Scalar: "le",
 }
 _UNIFORM_OPS = {aten.rand.default, aten.rand_like.default}
 _NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
@@ -254,12 +282,12 @@ _NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
 _OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
 
 
-def _describe_export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> str:
+def _export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> ExportError:
     text = str(err)
     match = _OP_PATTERN.search(text)
     if match is None:
         summary = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-        return (
+        return ExportError(
             f"ONNX export of the {name} graph failed: {summary}\n"
             "Run with DebugOptions(log_level=LogLevel.VERBOSE) for the exporter's full report."
         )
@@ -270,16 +298,17 @@ def _describe_export_failure(gm: torch.fx.GraphModule, name: str, err: Exception
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and base in str(n.target)]
     graph_ops = sorted({str(n.target) for n in nodes} - {op_name})
     lowered = f" (lowered from `{'`, `'.join(graph_ops)}`)" if graph_ops else ""
-    location = "; ".join(sorted({origin for n in nodes if (origin := _node_origin(n))})) or "unknown module"
-    return (
+    location = "; ".join(sorted({origin for n in nodes if (origin := node_origin(n))})) or "unknown module"
+    return ExportError(
         f"ONNX export of the {name} graph failed at op `{op_name}`{lowered} in {location}: "
         "ONNX has no translation for it.\n"
-        "Rewrite that part of the model with supported ops, or keep that submodule outside ORTModule "
-        "(wrap its siblings instead)."
+        "Rewrite that part of the model with supported ops, keep that submodule outside ORTModule "
+        "(wrap its siblings instead), or pass fallback='auto' to run just that op in PyTorch.",
+        [n.name for n in nodes],
     )
 
 
-def _node_origin(node: torch.fx.Node) -> str:
+def node_origin(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path, module_type = list(stack.values())[-1]

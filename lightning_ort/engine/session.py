@@ -56,6 +56,11 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
     return list(settings.providers) if settings.providers else ["CPUExecutionProvider"]
 
 
+def provider_names(device: torch.device, settings: SessionSettings) -> list[str]:
+    """Names of the execution providers :func:`providers_for` picks, without their options."""
+    return [p if isinstance(p, str) else p[0] for p in providers_for(device, settings)]
+
+
 class GraphSession:
     """One exported graph in one ``InferenceSession``, called like an AOTAutograd compiled function.
 
@@ -111,7 +116,7 @@ class GraphSession:
         """Run the graph on ``args`` (AOTAutograd's boxed convention: the list may be cleared)."""
         inputs = [_as_bindable(t) for t in args]
         args.clear()
-        inputs.extend(make(self._device) for make in self._graph.noise)
+        inputs.extend(noise.draw(self._device) for noise in self._graph.noise)
         binding = self._session.io_binding()
         for name, tensor in zip(self._input_names, inputs):
             _bind(binding.bind_input, name, tensor)

@@ -1,0 +1,186 @@
+"""Exported graphs saved on disk, so a new process training the same model skips the ONNX export.
+
+A graph's file name is a SHA-256 key over everything the exported model depends on: the captured FX graph's
+code and constants, its inputs' shapes, dtypes and strides, the device and execution providers, and the
+torch, onnx, onnxruntime and lightning_ort versions. A file holds a checksum of its contents: a corrupted or
+truncated file is reported, deleted and rebuilt, never loaded. Files are written to a temporary name and
+renamed into place, so processes (DDP ranks) writing the same graph never see each other's partial files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import struct
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+import torch
+import torch.fx
+
+from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"LORTGRF1"
+_SUFFIX = ".ortgraph"
+
+
+class DiskCacheWarning(UserWarning):
+    """The on-disk graph cache could not be used for one graph; training goes on without it."""
+
+
+class DiskCache:
+    """A folder of exported graphs shared by processes and runs.
+
+    Args:
+        directory: the folder; created if missing. If it cannot be written, a warning says so and the cache
+            stays off (training continues, graphs are exported as without a cache).
+
+    Example:
+        >>> import tempfile
+        >>> cache = DiskCache(tempfile.mkdtemp())
+        >>> cache.enabled
+        True
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._directory = Path(directory)
+        self._enabled = True
+        try:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self._directory, prefix=".write_check"):
+                pass
+        except OSError as err:
+            self._disable(f"cache_dir={str(self._directory)!r} cannot be written ({err.strerror or err})")
+
+    @property
+    def directory(self) -> Path:
+        return self._directory
+
+    @property
+    def enabled(self) -> bool:
+        """Whether graphs are looked up and saved (``False`` after the folder proved unwritable)."""
+        return self._enabled
+
+    def key(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: torch.device, providers: Sequence[str]
+    ) -> str:
+        """The file key of ``gm`` exported for ``example_inputs`` on ``device`` with ``providers``."""
+        digest = hashlib.sha256()
+        digest.update(repr(_versions()).encode())
+        digest.update(f"{device.type}|{','.join(providers)}".encode())
+        digest.update(gm.code.encode())
+        for value in example_inputs:
+            if isinstance(value, torch.Tensor):
+                digest.update(f"T{tuple(value.shape)}{value.stride()}{value.dtype}".encode())
+            else:
+                digest.update(f"V{value!r}".encode())
+        for name, tensor in sorted({**dict(gm.named_parameters()), **dict(gm.named_buffers())}.items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def load(self, key: str, name: str) -> ExportedGraph | None:
+        """The graph saved under ``key`` (renamed ``name``), or ``None`` if there is none or it is damaged."""
+        if not self._enabled:
+            return None
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            self._warn(f"cannot read {path} ({err.strerror or err}); exporting the {name} graph again")
+            return None
+        try:
+            graph = _decode(data, name)
+        except Exception as err:  # any damage at all means: rebuild, never crash
+            self._warn(f"{path} is damaged ({err}); deleting it and exporting the {name} graph again")
+            path.unlink(missing_ok=True)
+            return None
+        log.info("loaded the %s graph from %s", name, path)
+        return graph
+
+    def store(self, key: str, graph: ExportedGraph) -> None:
+        """Save ``graph`` under ``key`` atomically (write a temporary file, then rename it into place)."""
+        if not self._enabled:
+            return
+        path = self._path(key)
+        try:
+            handle, temporary = tempfile.mkstemp(dir=self._directory, prefix=f".{key[:16]}", suffix=".tmp")
+            with os.fdopen(handle, "wb") as file:
+                file.write(_encode(graph))
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, path)
+        except OSError as err:
+            self._disable(f"cannot write {path} ({err.strerror or err})")
+            return
+        log.info("saved the %s graph to %s", graph.name, path)
+
+    def _path(self, key: str) -> Path:
+        return self._directory / f"{key}{_SUFFIX}"
+
+    def _disable(self, reason: str) -> None:
+        self._enabled = False
+        self._warn(f"{reason}; continuing without the on-disk graph cache. Pass a writable folder as cache_dir.")
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(f"lightning_ort: {message}", DiskCacheWarning, stacklevel=3)
+
+
+def _versions() -> tuple[str, ...]:
+    return (
+        _FORMAT,
+        torch.__version__,
+        onnx.__version__,
+        ort.__version__,
+        importlib.metadata.version("lightning-ort"),
+    )
+
+
+_FORMAT = "1"
+
+
+def _encode(graph: ExportedGraph) -> bytes:
+    header = json.dumps(
+        {
+            "noise": [[n.kind, list(n.shape), str(n.dtype), n.compare, n.threshold] for n in graph.noise],
+            "outputs": [[list(o.shape), str(o.dtype)] for o in graph.outputs],
+            "layout": list(graph.layout.sources),
+        }
+    ).encode()
+    payload = struct.pack("<I", len(header)) + header + graph.model.SerializeToString()
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _decode(data: bytes, name: str) -> ExportedGraph:
+    if not data.startswith(_MAGIC):
+        raise ValueError("not a lightning_ort graph file")
+    digest, payload = data[len(_MAGIC) : len(_MAGIC) + 32], data[len(_MAGIC) + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("checksum mismatch: the file is truncated or was modified")
+    (length,) = struct.unpack_from("<I", payload)
+    header = json.loads(payload[4 : 4 + length])
+    model = onnx.load_model_from_string(payload[4 + length :])
+    noise = [
+        Noise(kind, tuple(shape), _dtype(dtype), compare, threshold)
+        for kind, shape, dtype, compare, threshold in header["noise"]
+    ]
+    outputs = [OutputSpec(tuple(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
+    return ExportedGraph(name, model, noise, outputs, OutputLayout(tuple(header["layout"])))
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype

@@ -1,0 +1,137 @@
+"""Per-op fallback: split a captured graph into ONNX Runtime partitions and the ops that stay in PyTorch.
+
+When a graph holds ops ONNX cannot express, :func:`split_graph` groups every other node into as few
+connected partitions as possible (``torch.fx``'s ``CapabilityBasedPartitioner``) and fuses each into a
+submodule; the caller exports each partition and swaps its submodule for an ONNX Runtime session. The
+outer graph, run by :class:`PartitionedGraph`, then calls ONNX Runtime for the partitions and PyTorch for the
+ops in between.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import traceback as fx_traceback
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from lightning_ort.engine.export import copy_graph_module, node_origin, quiet_exporter
+
+
+def unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes of ``gm`` calling an op that the ONNX exporter neither translates nor decomposes."""
+    covered = _onnx_coverage()
+    return [
+        node
+        for node in gm.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target not in covered
+    ]
+
+
+def describe_ops(nodes: Iterable[torch.fx.Node]) -> str:
+    """``"`aten.foo.default` (module `encoder.layers.0` (Foo))"``, one entry per op, for messages."""
+    origins: dict[str, set[str]] = {}
+    for node in nodes:
+        origins.setdefault(str(node.target), set()).add(node_origin(node) or "unknown module")
+    return "; ".join(f"`{op}` ({', '.join(sorted(where))})" for op, where in sorted(origins.items()))
+
+
+def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[torch.fx.GraphModule, list[str]]:
+    """A copy of ``gm`` whose supported nodes are fused into submodules; returns it and their names.
+
+    Args:
+        gm: the captured graph (left unchanged).
+        unsupported: names of the nodes that must run in PyTorch.
+    """
+    partitioner = CapabilityBasedPartitioner(
+        copy_graph_module(gm), _NodeSupport(frozenset(unsupported)), allows_single_node_partition=True
+    )
+    with fx_traceback.preserve_node_meta(enable=False):
+        fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    names = [node.target for node in fused.graph.nodes if node.op == "call_module"]
+    return fused, [str(name) for name in names]
+
+
+class PartitionCall(torch.nn.Module):
+    """Stands in for the fused partition ``partition``: runs ``session`` and returns what the partition did.
+
+    Args:
+        partition: the fused submodule (its output decides between a tensor and a tuple).
+        session: the partition's ONNX Runtime session (AOTAutograd's boxed convention).
+    """
+
+    def __init__(
+        self, partition: torch.fx.GraphModule, session: Callable[[list[torch.Tensor]], list[torch.Tensor | None]]
+    ) -> None:
+        super().__init__()
+        self._session = session
+        self._single = not isinstance(partition.graph.output_node().args[0], (tuple, list))
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor | None, ...] | None:
+        outputs = self._session(list(args))
+        return outputs[0] if self._single else tuple(outputs)
+
+
+class PartitionedGraph:
+    """Runs a split graph: ONNX Runtime sessions for the partitions, PyTorch for the rest.
+
+    Called like a :class:`~lightning_ort.engine.session.GraphSession` (AOTAutograd's boxed convention).
+
+    Args:
+        gm: the split graph, its partitions already replaced by :class:`PartitionCall` modules.
+        name: the graph's name (``"forward"``...).
+        sessions: the partitions' sessions.
+        fallback_ops: how many nodes run in PyTorch.
+    """
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, sessions: Sequence[Any], fallback_ops: int) -> None:
+        self._gm = gm
+        self._sessions = list(sessions)
+        self.name = name
+        self.fallback_ops = fallback_ops
+        self.runs = 0
+
+    @property
+    def providers(self) -> list[str]:
+        seen: list[str] = []
+        for session in self._sessions:
+            seen.extend(p for p in session.providers if p not in seen)
+        return seen
+
+    def __call__(self, args: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        inputs = list(args)
+        args.clear()
+        outputs = self._gm(*inputs)
+        self.runs += 1
+        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+class _NodeSupport(OperatorSupportBase):
+    def __init__(self, unsupported: frozenset[str]) -> None:
+        self._unsupported = unsupported
+
+    def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or node.name in self._unsupported:
+            return False
+        if node.target is operator.getitem:
+            source = node.args[0]
+            return isinstance(source, torch.fx.Node) and source.name not in self._unsupported
+        return True
+
+
+@functools.cache
+def _onnx_coverage() -> frozenset[Any]:
+    """Ops the exporter translates, plus those it decomposes first (the same tables ``torch.onnx.export`` uses)."""
+    from torch.onnx._internal.exporter import _decomp, _registration
+
+    with quiet_exporter(verbose=False):
+        registry = _registration.ONNXRegistry.from_torchlib()
+    translated = _decomp.get_onnx_implemented_overloads(registry)
+    return frozenset(translated) | frozenset(_decomp.create_onnx_friendly_decomposition_table(set(translated)))
