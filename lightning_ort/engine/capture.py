@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import traceback
+import unittest.mock
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -305,10 +306,12 @@ def _partition(
 
 
 def _user_frame(err: BaseException) -> str:
-    """``file:line`` of the innermost traceback frame outside torch and lightning_ort (the user's code)."""
+    """``file:line`` of the innermost traceback frame in model code: the user's, or ``torch.nn``'s modules."""
     frames = traceback.extract_tb(err.__traceback__)
-    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    user = [f for f in frames if not f.filename.startswith(internal)]
+    torch_dir = os.path.dirname(torch.__file__)
+    internal = (torch_dir, os.path.dirname(os.path.dirname(__file__)))
+    model_code = os.path.join(torch_dir, "nn", "")
+    user = [f for f in frames if f.filename.startswith(model_code) or not f.filename.startswith(internal)]
     if not user:
         return "an unknown line"
     frame = user[-1]
@@ -326,6 +329,8 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
     * SDPA takes its math path, so its backward is built from plain ops (the fused kernels' backward
       ops have no ONNX translation);
     * the ``nn.TransformerEncoder`` fast path (a fused inference kernel) is off;
+    * ``nn.Transformer``'s check whether a given mask is causal (it compares mask values, which one graph
+      cannot do) is skipped: the answer is only a hint, and the explicit mask gives the same result;
     * each traced node records the submodule it came from, for export error messages.
     """
     names = {id(m): (name or type(module).__name__, type(m)) for name, m in module.named_modules()}
@@ -351,4 +356,12 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
         stack_ctx.callback(post.remove)
         torch.backends.mha.set_fastpath_enabled(False)
         stack_ctx.callback(torch.backends.mha.set_fastpath_enabled, fastpath)
+        stack_ctx.enter_context(
+            unittest.mock.patch.object(torch.nn.modules.transformer, "_detect_is_causal_mask", _declared_causal)
+        )
         yield
+
+
+def _declared_causal(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+    """``nn.Transformer``'s causal-mask hint without inspecting mask values: causal only when declared so."""
+    return bool(is_causal)

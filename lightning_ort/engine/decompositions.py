@@ -5,7 +5,10 @@ Core ATen decompositions, plus:
 * training-mode batch norm as plain reductions: ONNX Runtime's inference build only has
   ``BatchNormalization`` with running statistics;
 * ``aten.convolution_backward`` (no ONNX translation) as a transposed convolution for the input gradient,
-  a convolution for the weight gradient and a sum for the bias gradient.
+  a convolution for the weight gradient and a sum for the bias gradient;
+* ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
+  of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
+  no translation at all.
 
 SDPA's fused backward ops are avoided at capture time instead (see :mod:`lightning_ort.engine.capture`).
 """
@@ -122,6 +125,68 @@ def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) ->
     return torch.where(fully_masked, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
+def embedding_bag(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int = -1,
+) -> Any:
+    """``aten._embedding_bag`` for 1-D indices with offsets, modes sum (0) and mean (1), no per-sample weights.
+
+    Returns ``(output, offset2bag, bag_size, max_indices)`` as ATen does; :func:`embedding_bag_backward`
+    consumes ``offset2bag`` and ``bag_size``.
+
+    Example:
+        >>> w, idx, off = torch.randn(10, 3), torch.tensor([1, 2, 4, 5, 4]), torch.tensor([0, 2, 2])
+        >>> torch.allclose(embedding_bag(w, idx, off, mode=1)[0], aten._embedding_bag(w, idx, off, mode=1)[0])
+        True
+    """
+    if mode not in (0, 1) or per_sample_weights is not None or indices.dim() != 1:
+        return NotImplemented
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    count = indices.shape[0]
+    starts = torch.zeros(count + 1, dtype=offsets.dtype, device=offsets.device)
+    starts = starts.index_add(0, offsets[1:bags], torch.ones_like(offsets[1:bags]))
+    offset2bag = starts[:count].cumsum(0)
+    keep = (indices != padding_idx) if padding_idx >= 0 else torch.ones_like(indices, dtype=torch.bool)
+    rows = weight[indices] * keep.unsqueeze(1).to(weight.dtype)
+    output = torch.zeros(bags, weight.shape[1], dtype=weight.dtype, device=weight.device).index_add(0, offset2bag, rows)
+    bag_size = torch.zeros(bags, dtype=indices.dtype, device=indices.device).index_add(0, offset2bag, keep.long())
+    if mode == 1:
+        output = output / bag_size.clamp(min=1).unsqueeze(1).to(weight.dtype)
+    return output, offset2bag, bag_size, torch.zeros_like(bag_size)
+
+
+def embedding_bag_backward(
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    offset2bag: torch.Tensor,
+    bag_size: torch.Tensor,
+    maximum_indices: torch.Tensor,
+    num_weights: int,
+    scale_grad_by_freq: bool,
+    mode: int,
+    sparse: bool,
+    per_sample_weights: torch.Tensor | None,
+    padding_idx: int = -1,
+) -> Any:
+    """Weight gradient of :func:`embedding_bag`: each bag's gradient scattered back to its rows."""
+    if mode not in (0, 1) or per_sample_weights is not None or scale_grad_by_freq or sparse:
+        return NotImplemented
+    rows = grad[offset2bag]
+    if mode == 1:
+        rows = rows / bag_size.clamp(min=1)[offset2bag].unsqueeze(1).to(grad.dtype)
+    if padding_idx >= 0:
+        rows = rows * (indices != padding_idx).unsqueeze(1).to(grad.dtype)
+    return torch.zeros(num_weights, grad.shape[1], dtype=grad.dtype, device=grad.device).index_add(0, indices, rows)
+
+
 def capture_decompositions() -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd.
 
@@ -142,4 +207,6 @@ def capture_decompositions() -> dict[Any, Callable[..., Any]]:
         ),
         aten._safe_softmax.default: safe_softmax,
         aten.convolution_backward.default: convolution_backward,
+        aten._embedding_bag.default: embedding_bag,
+        aten._embedding_bag_backward.default: embedding_bag_backward,
     }

@@ -154,15 +154,20 @@ def quiet_exporter(verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    exporter_log = logging.getLogger("torch.onnx")
-    level = exporter_log.level
-    exporter_log.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in _EXPORTER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        exporter_log.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+_EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:

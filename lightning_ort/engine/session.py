@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class SessionError(RuntimeError):
-    """ONNX Runtime could not load an exported graph (typically: no kernel for an op/dtype on the provider)."""
+    """ONNX Runtime could not load an exported graph (typically: no kernel for an op/dtype on the provider), or
+    failed while running one."""
 
 
 _ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
@@ -123,7 +124,15 @@ class GraphSession:
         outputs = [torch.empty(spec.shape, dtype=spec.dtype, device=self._device) for spec in self._graph.outputs]
         for name, tensor in zip(self._output_names, outputs):
             _bind(binding.bind_output, name, tensor)
-        self._session.run_with_iobinding(binding)
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as err:
+            raise SessionError(
+                f"ONNX Runtime failed while running the {self.name} graph: {err}\n"
+                "Nothing was written to the parameters, their gradients or the optimizer state by this call: "
+                "save a checkpoint or retry the step. If it repeats, run with "
+                "DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) and report the saved model."
+            ) from err
         self.runs += 1
         return self._graph.layout.place(outputs)
 

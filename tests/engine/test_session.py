@@ -43,7 +43,7 @@ def test_session_settings_reach_the_session() -> None:
     wrapped = ORTModule(MLP(), session_settings=SessionSettings(optimization_level="basic", intra_op_num_threads=1))
     wrapped(torch.randn(2, 16))
     assert wrapped.providers == ["CPUExecutionProvider"]
-    _, session = next(wrapped._cache.sessions())
+    _, session = next(wrapped._cache.runners())
     options = session._session.get_session_options()
     assert options.intra_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
@@ -52,7 +52,7 @@ def test_session_settings_reach_the_session() -> None:
 def test_spinning_can_be_turned_back_on() -> None:
     wrapped = ORTModule(MLP(), session_settings=SessionSettings(allow_spinning=True))
     wrapped(torch.randn(2, 16))
-    _, session = next(wrapped._cache.sessions())
+    _, session = next(wrapped._cache.runners())
     assert session._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
 
 

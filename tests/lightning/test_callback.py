@@ -10,7 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_ort import ORTCallback, ORTModule
+from lightning_ort import ExportError, FallbackWarning, ORTCallback, ORTModule
+from tests.custom_ops import CustomOpMLP
 from tests.lightning.models import LateHeadLM, TinyTransformerLM
 
 
@@ -111,3 +112,43 @@ def test_module_without_trainable_children_is_an_error(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, [ORTCallback()])
     with pytest.raises(ValueError, match="found nothing to wrap"):
         trainer.validate(model)
+
+
+class CustomOpModule(pl.LightningModule):
+    """A network with a custom op ONNX cannot express: it must train, with the op counted as a fallback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = CustomOpMLP()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def test_fallback_ops_metric_and_cache_dir_through_the_callback(tmp_path: Path) -> None:
+    cache = tmp_path / "graphs"
+    model = CustomOpModule()
+    with pytest.warns(FallbackWarning, match="lightning_ort_tests.softsign"):
+        _trainer(tmp_path, [ORTCallback(cache_dir=cache)], max_steps=3, limit_val_batches=0).fit(model)
+    assert float(_trainer_metrics(model)["ort/fallback_ops"]) == 1
+    assert isinstance(model.net, ORTModule) and model.net.cache_dir == cache
+    assert len(list(cache.glob("*.ortgraph"))) == 3  # two forward partitions and the backward graph
+
+    again = CustomOpModule()
+    _trainer(tmp_path / "again", [ORTCallback(cache_dir=cache)], max_steps=1, limit_val_batches=0).fit(again)
+    assert again.net.statistics.onnx_exports == 0 and again.net.statistics.disk_cache_loads == 3
+
+    with pytest.raises(ExportError, match=r"(?s)softsign.*fallback='auto'"):
+        _trainer(tmp_path / "strict", [ORTCallback(fallback="raise")], max_steps=1).fit(CustomOpModule())
+
+
+def _trainer_metrics(model: pl.LightningModule) -> dict[str, Any]:
+    return dict(model.trainer.callback_metrics)

@@ -18,11 +18,12 @@ SCRIPT = ROOT / "tests" / "lightning" / "scripts" / "ddp_run.py"
 pytestmark = pytest.mark.slow
 
 
-def _run(strategy: str, out: Path) -> list[dict[str, Any]]:
+def _run(strategy: str, out: Path, cache_dir: Path | None = None) -> list[dict[str, Any]]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    extra = ["--cache-dir", str(cache_dir)] if cache_dir is not None else []
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
         cwd=out,
         env=env,
         capture_output=True,
@@ -59,8 +60,23 @@ def test_ort_ddp_matches_plain_ddp_and_ranks_agree(tmp_path: Path) -> None:
         assert metrics["ort/export_time_s"] > 0
         assert metrics["ort/cache_misses"] == 3  # max over ranks of 3 training graphs per rank
         assert metrics["ort/cache_hits"] == 2 * 3 * 5  # summed over 2 ranks x 3 modules x 5 reuses
+        assert metrics["ort/fallback_ops"] == 0 and metrics["ort/capture_time_s"] > 0
     assert ort[0]["metrics"] == ort[1]["metrics"], "reduced metrics are identical on every rank"
     assert not plain[0]["wrapped"]
+
+
+def test_ranks_share_a_cache_dir_and_a_restart_exports_nothing(tmp_path: Path) -> None:
+    cache = tmp_path / "graphs"
+    first = _run("ort_ddp", tmp_path / "first", cache_dir=cache)
+    files = sorted(cache.glob("*.ortgraph"))
+    assert len(files) == 6, "forward and backward graphs of 3 modules, written once whichever rank finished first"
+    assert not list(cache.glob("*.tmp"))
+    restart = _run("ort_ddp", tmp_path / "restart", cache_dir=cache)
+    for record in restart:
+        for name, stats in record["wrapped"].items():
+            assert stats["onnx_exports"] == 0 and stats["disk_cache_loads"] == 2, (record["rank"], name, stats)
+    assert restart[0]["losses"] == first[0]["losses"]
+    assert sorted(cache.glob("*.ortgraph")) == files
 
 
 def test_ort_ddp_spawn_returns_trained_weights_to_the_main_process(tmp_path: Path) -> None:

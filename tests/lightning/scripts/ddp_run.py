@@ -1,6 +1,8 @@
 """Train TinyTransformerLM with 2 CPU processes (gloo) and dump what each rank saw, for tests/lightning/test_ddp.py.
 
-    python tests/lightning/scripts/ddp_run.py --strategy ort_ddp --out DIR [--steps N]
+    python tests/lightning/scripts/ddp_run.py --strategy ort_ddp --out DIR [--steps N] [--cache-dir DIR]
+
+``--cache-dir`` trains with ``ORTDDPStrategy(cache_dir=...)`` (both ranks share the folder).
 
 Every rank writes ``DIR/rank<R>.json`` (losses, ORT statistics, logged metrics) and ``DIR/rank<R>.pt`` (state
 dict); with a spawn strategy the main process also writes ``DIR/main.pt`` after ``fit`` returns.
@@ -49,12 +51,15 @@ def main() -> None:
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args()
-    assert lightning_ort.ORTDDPStrategy
+    strategy: Any = args.strategy
+    if args.cache_dir is not None:
+        strategy = lightning_ort.ORTDDPStrategy(cache_dir=args.cache_dir)
     pl.seed_everything(0, workers=True)
     model = TinyTransformerLM()
     trainer = pl.Trainer(
-        strategy=args.strategy,
+        strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_steps=args.steps,

@@ -1,4 +1,4 @@
-"""Models the parity tests run through ORTModule and eager PyTorch, each with a deterministic input factory."""
+"""Models exercising ORTModule's contract, each with a deterministic input factory (see :mod:`tests.zoo`)."""
 
 from __future__ import annotations
 

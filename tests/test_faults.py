@@ -1,0 +1,90 @@
+"""Bad input and faults: clear errors, eager-like NaN handling, nothing half-modified."""
+
+from __future__ import annotations
+
+import copy
+
+import onnxruntime as ort
+import pytest
+import torch
+
+from lightning_ort import ORTModule, SessionError
+from tests.zoo import MLP
+
+
+def test_nan_and_inf_inputs_propagate_as_in_eager() -> None:
+    torch.manual_seed(0)
+    eager = MLP()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x_eager, x_ort = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, actual = eager(x_eager), wrapped(x_ort)
+    assert torch.equal(actual.isnan(), expected.isnan()) and actual.isnan().any()
+    finite = expected.isfinite()
+    torch.testing.assert_close(actual[finite], expected[finite], rtol=1e-4, atol=1e-5)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert x_ort.grad is not None and x_eager.grad is not None
+    assert torch.equal(x_ort.grad.isnan(), x_eager.grad.isnan())
+    for a, e in zip(wrapped.parameters(), eager.parameters()):
+        assert a.grad is not None and e.grad is not None
+        assert torch.equal(a.grad.isnan(), e.grad.isnan())
+
+
+def test_wrong_input_dtype_fails_as_eager_does_and_builds_nothing() -> None:
+    wrapped = ORTModule(MLP())
+    with pytest.raises(RuntimeError, match="dtype"):
+        wrapped(torch.randn(2, 16, dtype=torch.float64))
+    assert wrapped.statistics.cached_graphs == 0
+    assert wrapped(torch.randn(2, 16)).shape == (2, 4)
+
+
+def test_input_on_another_device_fails_as_eager_does_and_builds_nothing() -> None:
+    model = MLP()
+    x = torch.randn(2, 16, device="meta")
+    with pytest.raises(RuntimeError, match="device"):
+        model(x)
+    wrapped = ORTModule(model)
+    with pytest.raises(RuntimeError, match="device"):
+        wrapped(x)
+    assert wrapped.statistics.cached_graphs == 0
+
+
+def test_session_failure_mid_training_leaves_parameters_grads_and_optimizer_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = ORTModule(MLP())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    parameters = copy.deepcopy(model.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+
+    loss = model(x).square().mean()
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", _broken_run)  # the backward run fails
+    with pytest.raises(SessionError, match=r"(?s)failed while running the backward graph.*Nothing was written"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, parameters[name]), name
+    assert optimizer.state_dict()["state"].keys() == optimizer_state["state"].keys()
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizer_state["state"][index][key]))
+
+    monkeypatch.undo()
+    optimizer.zero_grad()
+    model(x).square().mean().backward()  # the user retries: training continues
+    optimizer.step()
+    assert model.statistics.backward_runs == 3
+
+
+def _broken_run(*args: object) -> None:
+    raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : simulated kernel failure")

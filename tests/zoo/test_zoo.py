@@ -1,0 +1,35 @@
+"""The coverage zoo: every architecture trains correctly through ORTModule; at least 90% run fully in ORT.
+
+The summary table is printed at the end of the pytest run (``tests/zoo/conftest.py``) and by
+``python -m tests.zoo``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.zoo.architectures import ARCHITECTURES
+from tests.zoo.coverage import FULL, ZooResult, run_case, summary
+from tests.zoo.features import Case
+
+RESULTS: dict[str, ZooResult] = {}
+
+
+def _result(case: Case) -> ZooResult:
+    if case.name not in RESULTS:
+        RESULTS[case.name] = run_case(case)
+    return RESULTS[case.name]
+
+
+@pytest.mark.parametrize("case", ARCHITECTURES, ids=[c.name for c in ARCHITECTURES])
+def test_architecture_trains_like_eager(case: Case) -> None:
+    result = _result(case)
+    assert result.correct, f"{case.name}: output error {result.output_error:.2e}, grad error {result.grad_error:.2e}"
+
+
+def test_zoo_coverage() -> None:
+    results = [_result(case) for case in ARCHITECTURES]
+    assert len(results) >= 20
+    full = sum(r.runs_in == FULL for r in results)
+    assert all(r.correct for r in results), summary(results)
+    assert full >= 0.9 * len(results), summary(results)
