@@ -45,6 +45,8 @@ class ORTCallback(Callback):
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
         cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
             loads them instead of exporting again (default: no on-disk cache).
+        dynamic: symbolic input sizes: ``None`` (automatic: sizes that change between calls become symbolic),
+            ``True`` (all from the start), ``False`` (one graph per shape).
         log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: also show those metrics in the progress bar.
 
@@ -65,6 +67,7 @@ class ORTCallback(Callback):
         intra_op_num_threads: int = 0,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
         log_metrics: bool = True,
         prog_bar: bool = False,
     ) -> None:
@@ -79,6 +82,7 @@ class ORTCallback(Callback):
             intra_op_num_threads,
             fallback,
             cache_dir,
+            dynamic,
         )
         self._log_metrics = log_metrics
         self._prog_bar = prog_bar

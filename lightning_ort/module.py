@@ -14,6 +14,7 @@ from torch import nn
 from lightning_ort.engine.cache import CacheStatistics, GraphCache
 from lightning_ort.engine.capture import BuildOptions, CapturedGraphs
 from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.engine.dynamic import DynamicDims, Shapes, all_dims, changed_dims
 from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
 
@@ -52,6 +53,12 @@ class ORTModule(nn.Module):
         cache_dir: a folder where exported graphs are saved; a later process training the same model with the
             same input shapes loads them instead of exporting again. ``None`` (default) keeps graphs in memory
             only. An unwritable folder is reported with a warning and training goes on without it.
+        dynamic: input sizes captured as symbols, so one graph serves many shapes. ``None`` (default,
+            automatic): the first shape gets its own graph; when a later call differs only in some input sizes
+            (another sequence length, a ragged last batch), those dimensions become symbolic in the next graph,
+            which then serves every size. ``True``: every input dimension is symbolic from the first call.
+            ``False``: one graph per input shape (fastest per step when shapes repeat: ONNX Runtime optimizes
+            for the exact sizes).
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -68,6 +75,7 @@ class ORTModule(nn.Module):
         session_settings: SessionSettings | None = None,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
@@ -79,6 +87,8 @@ class ORTModule(nn.Module):
                 "use DistributedDataParallel(ORTModule(model)). DataParallel is not supported."
             )
         fallback = parse_fallback(fallback)
+        if dynamic not in (None, True, False) or not isinstance(dynamic, (bool, type(None))):
+            raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
         super().__init__()
         debug = debug_options if debug_options is not None else DebugOptions()
         object.__setattr__(self, "_original_module", module)
@@ -91,6 +101,7 @@ class ORTModule(nn.Module):
             fallback,
             DiskCache(cache_dir) if cache_dir is not None else None,
         )
+        self._dynamic = dynamic
         self._forward_parameter_names = forward_parameter_names(module)
         self._cache = GraphCache()
         configure_logger(debug.log_level)
@@ -111,6 +122,10 @@ class ORTModule(nn.Module):
     @property
     def fallback(self) -> Fallback:
         return self._build_options.fallback
+
+    @property
+    def dynamic(self) -> bool | None:
+        return self._dynamic
 
     @property
     def cache_dir(self) -> Path | None:
@@ -146,39 +161,58 @@ class ORTModule(nn.Module):
         state = self._graph_state()
         state_tensors = [tensor for _, tensor in state]
         device = _graph_device(state_tensors, inputs.tensors, type(self._original_module).__name__)
-        key = self._signature(inputs, state)
-
-        def build(tag: str) -> CapturedGraphs:
-            log.info("building a new graph for %s (signature %s)", type(self._original_module).__name__, tag or "0")
-            return CapturedGraphs(
-                self._original_module,
-                [name for name, _ in state],
-                inputs,
-                device,
-                tag,
-                self._build_options,
-                self._cache.build_log,
-            )
-
-        entry, is_new = self._cache.get_or_build(key, build)
-        try:
+        general_key = self._signature(inputs, state)
+        shapes = tuple(tuple(t.shape) for t in inputs.tensors)
+        key = (general_key, shapes)
+        entry = self._cache.lookup(key, general_key, inputs.tensors)
+        if entry is not None:
             return entry(state_tensors, inputs.tensors)
+        dims = self._dynamic_dims(general_key, shapes)
+        tag = self._cache.next_tag()
+        log.info(
+            "building a new graph for %s (signature %s%s)",
+            type(self._original_module).__name__,
+            tag or "0",
+            f", dynamic dims {sorted(dims)}" if dims else "",
+        )
+        entry = CapturedGraphs(
+            self._original_module,
+            [name for name, _ in state],
+            inputs,
+            device,
+            tag,
+            self._build_options,
+            self._cache.build_log,
+            dims,
+        )
+        self._cache.insert(key, general_key, shapes, entry)
+        try:
+            output = entry(state_tensors, inputs.tensors)
         except Exception:
-            if is_new:
-                self._cache.discard(key)
+            self._cache.discard(key, general_key, entry)
             raise
+        self._cache.settle(key, general_key, entry)
+        return output
+
+    def _dynamic_dims(self, general_key: Hashable, shapes: Shapes) -> DynamicDims:
+        if self._dynamic is False:
+            return frozenset()
+        if self._dynamic is True:
+            return all_dims(shapes)
+        return changed_dims(self._cache.seen_shapes(general_key), shapes)
 
     def _graph_state(self) -> list[tuple[str, torch.Tensor]]:
         module = self._original_module
         return [*module.named_parameters(), *module.named_buffers()]
 
     def _signature(self, inputs: FlatInputs, state: list[tuple[str, torch.Tensor]]) -> Hashable:
+        """Everything that selects a graph except the input tensors' sizes (those are checked separately)."""
         return (
             self.training,
             torch.is_grad_enabled(),
             _autocast_state(),
             inputs.structure,
-            tuple(TensorMeta.of(t) for t in inputs.tensors),
+            tuple(TensorMeta.of(t)._replace(shape=(len(t.shape),)) for t in inputs.tensors),
             tuple((name, TensorMeta.of(t)) for name, t in state),
         )
 

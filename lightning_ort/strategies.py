@@ -65,6 +65,8 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
         cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
             loads them instead of exporting again (default: no on-disk cache).
+        dynamic: symbolic input sizes: ``None`` (automatic: sizes that change between calls become symbolic),
+            ``True`` (all from the start), ``False`` (one graph per shape).
         log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: show those metrics in the progress bar.
         start_method: process start method, as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
@@ -88,6 +90,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         intra_op_num_threads: int = 0,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
         log_metrics: bool = True,
         prog_bar: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -122,6 +125,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             intra_op_num_threads,
             fallback,
             cache_dir,
+            dynamic,
             log_metrics,
             prog_bar,
         )
@@ -171,6 +175,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         intra_op_num_threads: int = 0,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
         log_metrics: bool = True,
         prog_bar: bool = False,
         device: str | torch.device | int | None = None,
@@ -197,6 +202,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
             intra_op_num_threads,
             fallback,
             cache_dir,
+            dynamic,
             log_metrics,
             prog_bar,
         )

@@ -31,6 +31,7 @@ class WrapConfig:
         session_settings: passed to every ORTModule.
         fallback: passed to every ORTModule.
         cache_dir: passed to every ORTModule (one folder serves them all: keys differ by graph).
+        dynamic: passed to every ORTModule.
 
     Example:
         >>> config = WrapConfig.from_arguments(modules=["net"], log_level="INFO")
@@ -43,6 +44,7 @@ class WrapConfig:
     session_settings: SessionSettings = field(default_factory=SessionSettings)
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None
+    dynamic: bool | None = None
 
     @classmethod
     def from_arguments(
@@ -57,6 +59,7 @@ class WrapConfig:
         intra_op_num_threads: int = 0,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
     ) -> WrapConfig:
         """Validate the user-facing arguments (an unwritable ``save_path`` fails here, before training)."""
         if isinstance(modules, str):
@@ -73,7 +76,12 @@ class WrapConfig:
             intra_op_num_threads=intra_op_num_threads,
         )
         return cls(
-            tuple(modules) if modules is not None else None, debug, settings, parse_fallback(fallback), cache_dir
+            tuple(modules) if modules is not None else None,
+            debug,
+            settings,
+            parse_fallback(fallback),
+            cache_dir,
+            dynamic,
         )
 
     def debug_options_for(self, path: str) -> DebugOptions:
@@ -115,7 +123,12 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
             target_paths.append(path)
     for (parent, attribute, module), path in zip(targets, target_paths):
         wrapped = ORTModule(
-            module, config.debug_options_for(path), config.session_settings, config.fallback, config.cache_dir
+            module,
+            config.debug_options_for(path),
+            config.session_settings,
+            config.fallback,
+            config.cache_dir,
+            config.dynamic,
         )
         setattr(parent, attribute, wrapped)
     return wrapped_submodules(root)

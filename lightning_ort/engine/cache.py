@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from lightning_ort.engine.capture import BuildLog, CapturedGraphs, GraphRunner
+from lightning_ort.engine.dynamic import Shapes
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class CacheStatistics:
 class GraphCache:
     """Maps a call signature (see :mod:`lightning_ort.engine.signature`) to its :class:`CapturedGraphs`.
 
+    Graphs for one exact signature are found by key; graphs with symbolic sizes are kept per *general* key
+    (the signature without input sizes) and found by asking each whether it accepts the call's tensors.
+
     Example:
         >>> cache = GraphCache()
         >>> cache.statistics().cached_graphs
@@ -62,34 +68,55 @@ class GraphCache:
 
     def __init__(self) -> None:
         self._entries: dict[Hashable, CapturedGraphs] = {}
+        self._dynamic: dict[Hashable, list[CapturedGraphs]] = {}
+        self._seen: dict[Hashable, list[Shapes]] = {}
         self._hits = 0
         self._misses = 0
         self._retired_runs = (0, 0)
         self.build_log = BuildLog()
 
-    def get_or_build(self, key: Hashable, build: Callable[[str], CapturedGraphs]) -> tuple[CapturedGraphs, bool]:
-        """The entry for ``key`` and whether it is new; ``build(tag)`` makes it on a miss.
-
-        ``tag`` numbers the signature (``""`` for the first), so saved files of different signatures differ.
-        """
+    def lookup(self, key: Hashable, general_key: Hashable, tensors: Sequence[torch.Tensor]) -> CapturedGraphs | None:
+        """The graphs for this call, if built: by exact signature, else a symbolic-shape entry that accepts it."""
         entry = self._entries.get(key)
+        if entry is None:
+            entry = next((e for e in self._dynamic.get(general_key, ()) if e.accepts(tensors)), None)
         if entry is not None:
             self._hits += 1
-            return entry, False
-        entry = build("" if not self._misses else str(self._misses))
-        self._entries[key] = entry
-        self._misses += 1
-        return entry, True
+        return entry
 
-    def discard(self, key: Hashable) -> None:
-        """Forget ``key``'s entry because building it failed: the failed call counts as neither hit nor miss."""
-        if self._entries.pop(key, None) is not None:
+    def seen_shapes(self, general_key: Hashable) -> list[Shapes]:
+        """Input shapes of the calls that built graphs for ``general_key`` so far."""
+        return self._seen.get(general_key, [])
+
+    def next_tag(self) -> str:
+        """Numbers signatures (``""`` for the first) so saved files of different signatures differ."""
+        return "" if not self._misses else str(self._misses)
+
+    def insert(self, key: Hashable, general_key: Hashable, shapes: Shapes, entry: CapturedGraphs) -> None:
+        """Add a newly built (not yet run) entry: a miss."""
+        self._entries[key] = entry
+        self._seen.setdefault(general_key, []).append(shapes)
+        self._misses += 1
+
+    def settle(self, key: Hashable, general_key: Hashable, entry: CapturedGraphs) -> None:
+        """After an entry's first call: one with symbolic sizes moves to the entries found by acceptance."""
+        if entry.symbolic_dims and self._entries.get(key) is entry:
+            del self._entries[key]
+            self._dynamic.setdefault(general_key, []).append(entry)
+
+    def discard(self, key: Hashable, general_key: Hashable, entry: CapturedGraphs) -> None:
+        """Forget a new entry whose first call failed: the call counts as neither hit nor miss."""
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+            self._seen[general_key].pop()
             self._misses -= 1
 
     def clear(self) -> None:
         """Drop every graph (statistics are kept)."""
         self._retired_runs = self._run_counts()
         self._entries.clear()
+        self._dynamic.clear()
+        self._seen.clear()
 
     def statistics(self) -> CacheStatistics:
         forward, backward = self._run_counts()
@@ -99,7 +126,7 @@ class GraphCache:
             capture_seconds=build.capture_seconds,
             cache_hits=self._hits,
             cache_misses=self._misses,
-            cached_graphs=len(self._entries),
+            cached_graphs=len(self._entries) + sum(len(entries) for entries in self._dynamic.values()),
             forward_runs=forward,
             backward_runs=backward,
             onnx_exports=build.onnx_exports,
@@ -112,6 +139,9 @@ class GraphCache:
         """``(kind, runner)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
         for entry in self._entries.values():
             yield from entry.runners
+        for entries in self._dynamic.values():
+            for entry in entries:
+                yield from entry.runners
 
     def _run_counts(self) -> tuple[int, int]:
         forward, backward = self._retired_runs

@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
 from lightning_ort.engine.export import ExportError, export_graph
 from lightning_ort.engine.partition import PartitionCall, PartitionedGraph, describe_ops, split_graph, unsupported_nodes
 from lightning_ort.engine.rewrites import optimize_joint_graph
@@ -97,6 +98,8 @@ class CapturedGraphs:
         tag: distinguishes this signature's saved files (``"forward"``, ``"forward_1"``...).
         options: how graphs become sessions.
         build_log: where build time and counts are added up.
+        dynamic_dims: input dimensions to capture as symbols (see :mod:`lightning_ort.engine.dynamic`); the
+            graphs then serve every size :meth:`accepts` allows.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class CapturedGraphs:
         tag: str,
         options: BuildOptions,
         build_log: BuildLog,
+        dynamic_dims: DynamicDims = frozenset(),
     ) -> None:
         self._module = module
         self._state_names = list(state_names)
@@ -119,6 +123,8 @@ class CapturedGraphs:
         self._rebuild_output: Callable[[Sequence[torch.Tensor]], Any] | None = None
         self._eager_reason: str | None = None
         self._compile_seconds = 0.0
+        self._dynamic_dims = dynamic_dims
+        self._guards: ShapeGuards | None = None
         self.runners: list[tuple[str, GraphRunner]] = []
         self._function = aot_function(
             self._functional_forward,
@@ -127,7 +133,18 @@ class CapturedGraphs:
             inference_compiler=self._compiler("inference"),
             partition_fn=_partition,
             decompositions=_DECOMPOSITIONS,
+            num_params_buffers=len(self._state_names),
+            dynamic=bool(dynamic_dims),
         )
+
+    @property
+    def symbolic_dims(self) -> DynamicDims:
+        """Input dimensions these graphs take at any size (empty: the graphs are for one shape)."""
+        return self._guards.symbolic_dims if self._guards is not None else frozenset()
+
+    def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether these (symbolic-shape) graphs can run ``tensors``: only meaningful after the first call."""
+        return self._guards is not None and self._guards.accepts(tensors)
 
     @property
     def runs_in_pytorch(self) -> bool:
@@ -141,8 +158,15 @@ class CapturedGraphs:
         if self._rebuild_output is None:
             start, compiled_before = time.perf_counter(), self._compile_seconds
             try:
-                with _capture_context(self._module):
+                with _capture_context(self._module), contextlib.ExitStack() as symbolic:
+                    if self._dynamic_dims:
+                        shape_env = symbolic.enter_context(
+                            symbolic_inputs([*state, *tensors], self._dynamic_dims, len(state))
+                        )
                     flat = self._function(*state, *tensors)
+                if self._dynamic_dims:
+                    shapes = tuple(tuple(t.shape) for t in tensors)
+                    self._guards = ShapeGuards(shape_env, shapes, self._dynamic_dims)
             except _DATA_DEPENDENT_ERRORS as err:
                 self._log.capture_seconds += time.perf_counter() - start
                 return self._fall_back_to_eager(err, tensors)

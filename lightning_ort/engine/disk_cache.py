@@ -23,10 +23,11 @@ from typing import Any
 
 import onnx
 import onnxruntime as ort
+import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec
+from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec, Size
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +148,17 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_FORMAT = "1"
+_FORMAT = "2"
 
 
 def _encode(graph: ExportedGraph) -> bytes:
     header = json.dumps(
         {
-            "noise": [[n.kind, list(n.shape), str(n.dtype), n.compare, n.threshold] for n in graph.noise],
-            "outputs": [[list(o.shape), str(o.dtype)] for o in graph.outputs],
-            "layout": list(graph.layout.sources),
+            "noise": [[n.kind, _sizes_to_json(n.shape), str(n.dtype), n.compare, n.threshold] for n in graph.noise],
+            "outputs": [[_sizes_to_json(o.shape), str(o.dtype)] for o in graph.outputs],
+            "layout": [_size_to_json(source) for source in graph.layout.sources],
+            "symbols": [[str(symbol), index, dim] for symbol, (index, dim) in graph.symbols.items()],
+            "dropped_inputs": list(graph.dropped_inputs),
         }
     ).encode()
     payload = struct.pack("<I", len(header)) + header + graph.model.SerializeToString()
@@ -172,11 +175,29 @@ def _decode(data: bytes, name: str) -> ExportedGraph:
     header = json.loads(payload[4 : 4 + length])
     model = onnx.load_model_from_string(payload[4 + length :])
     noise = [
-        Noise(kind, tuple(shape), _dtype(dtype), compare, threshold)
+        Noise(kind, _sizes_from_json(shape), _dtype(dtype), compare, threshold)
         for kind, shape, dtype, compare, threshold in header["noise"]
     ]
-    outputs = [OutputSpec(tuple(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
-    return ExportedGraph(name, model, noise, outputs, OutputLayout(tuple(header["layout"])))
+    outputs = [OutputSpec(_sizes_from_json(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
+    layout = OutputLayout(tuple(_size_from_json(source) for source in header["layout"]))
+    symbols = {sympy.Symbol(symbol): (index, dim) for symbol, index, dim in header["symbols"]}
+    return ExportedGraph(name, model, noise, outputs, layout, symbols, tuple(header["dropped_inputs"]))
+
+
+def _size_to_json(size: Size | None) -> int | str | None:
+    return size if size is None or isinstance(size, int) else str(size)
+
+
+def _size_from_json(value: int | str | None) -> Any:
+    return sympy.sympify(value) if isinstance(value, str) else value
+
+
+def _sizes_to_json(sizes: tuple[Size, ...]) -> list[int | str | None]:
+    return [_size_to_json(size) for size in sizes]
+
+
+def _sizes_from_json(values: list[int | str]) -> tuple[Size, ...]:
+    return tuple(_size_from_json(value) for value in values)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -15,16 +15,22 @@ import contextlib
 import io
 import logging
 import math
+import operator
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import onnx
+import sympy
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
+from torch._guards import detect_fake_mode, tracing
+from torch.utils._sympy.functions import FloorDiv
+
+from lightning_ort.engine.dynamic import evaluate, symbolic_size
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +50,30 @@ class ExportError(RuntimeError):
         self.nodes = tuple(nodes)
 
 
+Size: TypeAlias = int | sympy.Expr
+"""A tensor size: an ``int``, or an expression of input-size symbols in a graph with dynamic shapes."""
+
+Symbols: TypeAlias = dict[sympy.Symbol, tuple[int, int]]
+"""Where each size symbol is read at run time: ``(ONNX input index, dimension)``."""
+
+
 @dataclass(frozen=True)
 class OutputLayout:
-    """Where each FX output comes from: an ONNX output index, or ``None`` for a ``None`` output."""
+    """Where each FX output comes from: an ONNX output index, ``None`` for a ``None`` output, or a size
+    expression for an integer output (dynamic-shape forward graphs return sizes the backward graph needs)."""
 
-    sources: tuple[int | None, ...]
+    sources: tuple[int | sympy.Expr | None, ...]
 
-    def place(self, onnx_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        return [None if index is None else onnx_outputs[index] for index in self.sources]
+    def place(self, onnx_outputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]) -> list[Any]:
+        return [
+            None if source is None else onnx_outputs[source] if isinstance(source, int) else evaluate(source, env)
+            for source in self.sources
+        ]
 
 
 @dataclass(frozen=True)
 class OutputSpec:
-    shape: tuple[int, ...]
+    shape: tuple[Size, ...]
     dtype: torch.dtype
 
 
@@ -74,22 +91,24 @@ class Noise:
     """
 
     kind: str
-    shape: tuple[int, ...]
+    shape: tuple[Size, ...]
     dtype: torch.dtype
     compare: str = ""
     threshold: float = 0.0
 
-    def draw(self, device: torch.device) -> torch.Tensor:
+    def draw(self, device: torch.device, env: dict[sympy.Symbol, int] | None = None) -> torch.Tensor:
+        """A fresh sample; ``env`` gives the values of symbolic sizes."""
+        shape = tuple(evaluate(size, env or {}) for size in self.shape)
         if self.kind == "uniform":
-            return torch.rand(self.shape, dtype=self.dtype, device=device)
+            return torch.rand(shape, dtype=self.dtype, device=device)
         if self.kind == "normal":
-            return torch.randn(self.shape, dtype=self.dtype, device=device)
+            return torch.randn(shape, dtype=self.dtype, device=device)
         # u = (bits + 2**15) / 2**16 is uniform on [0, 1) in steps of 2**-16; compare the bits with the
         # equivalent threshold instead of materialising u.
-        numel = math.prod(self.shape)
+        numel = math.prod(shape)
         bits = torch.empty(-(-numel // 4), dtype=torch.int64, device=device).random_(-(2**63), None)
         compare = getattr(torch, self.compare)
-        return compare(bits.view(torch.int16)[:numel], self.threshold * 65536.0 - 32768.0).view(self.shape)
+        return compare(bits.view(torch.int16)[:numel], self.threshold * 65536.0 - 32768.0).view(shape)
 
 
 @dataclass
@@ -101,6 +120,8 @@ class ExportedGraph:
     noise: list[Noise]
     outputs: list[OutputSpec]
     layout: OutputLayout
+    symbols: Symbols = field(default_factory=dict)
+    dropped_inputs: tuple[int, ...] = ()
 
 
 def export_graph(
@@ -115,16 +136,25 @@ def export_graph(
         verbose: let ``torch.onnx`` print its progress.
     """
     gm = copy_graph_module(gm)
+    symbolic = any(_is_symbolic(value) for value in example_inputs)
+    dropped = _inline_size_inputs(gm, example_inputs) if symbolic else ()
+    tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
     layout, outputs = _normalise_outputs(gm)
     fake_mode = detect_fake_mode(example_inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         noise, noise_examples = _lift_random_ops(gm)
     gm.recompile()
-    inputs = (*example_inputs, *noise_examples)
+    inputs: tuple[Any, ...] = (*tensor_inputs, *noise_examples)
+    dynamic_shapes = None
+    if symbolic:
+        dynamic_shapes = tuple(_dynamic_dims(value) for value in inputs)
+        inputs = tuple(_concrete(value) for value in inputs)
     gm.eval()
     try:
-        with quiet_exporter(verbose):
-            program = torch.onnx.export(gm, inputs, dynamo=True, verbose=verbose, optimize=True)
+        with quiet_exporter(verbose), tracing(None):  # not inside the capture's tracing context
+            program = torch.onnx.export(
+                gm, inputs, dynamo=True, verbose=verbose, optimize=True, dynamic_shapes=dynamic_shapes
+            )
     except Exception as err:
         raise _export_failure(gm, name, err) from err
     if program is None or program.model_proto is None:
@@ -138,7 +168,104 @@ def export_graph(
     log.debug(
         "exported %s graph: %d nodes, %d inputs, %d outputs", name, len(model.graph.node), len(inputs), len(outputs)
     )
-    return ExportedGraph(name, model, noise, outputs, layout)
+    symbols: Symbols = {}
+    for index, value in enumerate(tensor_inputs):
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                symbols.setdefault(size.node.expr, (index, dim))
+    return ExportedGraph(name, model, noise, outputs, layout, symbols, dropped)
+
+
+def _is_symbolic(value: object) -> bool:
+    if isinstance(value, torch.SymInt):
+        return not isinstance(symbolic_size(value), int)
+    return isinstance(value, torch.Tensor) and any(not isinstance(symbolic_size(s), int) for s in value.shape)
+
+
+def _dynamic_dims(value: torch.Tensor) -> dict[int, Any] | None:
+    dims = {
+        dim: torch.export.Dim.DYNAMIC
+        for dim, size in enumerate(value.shape)
+        if not isinstance(symbolic_size(size), int)
+    }
+    return dims or None
+
+
+def _concrete(value: torch.Tensor) -> torch.Tensor:
+    """A real tensor shaped like ``value`` at the sizes the trace saw (symbolic export needs real inputs)."""
+    shape = [size.node.hint if isinstance(size, torch.SymInt) else int(size) for size in value.shape]
+    return torch.zeros(shape, dtype=value.dtype)
+
+
+def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, ...]:
+    """Replace integer (size) inputs of a dynamic-shape graph by computations on its tensor inputs' sizes.
+
+    AOTAutograd passes sizes the backward needs (``s0``, ``4*s0``) as integer inputs; ONNX inputs are tensors,
+    and these sizes are functions of the tensor inputs' shapes anyway. Returns the dropped input positions.
+    """
+    graph = gm.graph
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    sources: dict[sympy.Symbol, tuple[torch.fx.Node, int]] = {}
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    sources.setdefault(size.node.expr, (node, dim))
+    first_op = next(node for node in graph.nodes if node.op != "placeholder")
+    built: dict[sympy.Expr, torch.fx.Node | int] = {}
+    dropped = []
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(value, (torch.SymInt, int)) or isinstance(value, bool):
+            continue
+        expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
+        with graph.inserting_before(first_op):
+            replacement = _size_node(graph, expr, sources, built)
+        _replace_uses(node, replacement)
+        graph.erase_node(node)
+        dropped.append(index)
+    return tuple(dropped)
+
+
+def _replace_uses(node: torch.fx.Node, replacement: torch.fx.Node | int) -> None:
+    """Like ``node.replace_all_uses_with``, but the replacement may be a constant."""
+
+    def swap(arg: torch.fx.Node) -> torch.fx.Node | int:
+        return replacement if arg is node else arg
+
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, swap)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, swap)
+
+
+def _size_node(
+    graph: torch.fx.Graph,
+    expr: sympy.Expr,
+    sources: dict[sympy.Symbol, tuple[torch.fx.Node, int]],
+    built: dict[sympy.Expr, torch.fx.Node | int],
+) -> torch.fx.Node | int:
+    if expr in built:
+        return built[expr]
+    result: torch.fx.Node | int
+    if expr.is_Integer:
+        result = int(expr)
+    elif isinstance(expr, sympy.Symbol):
+        if expr not in sources:
+            raise ExportError(f"size {expr} is not the size of any tensor input; cannot export it to ONNX.")
+        node, dim = sources[expr]
+        result = graph.call_function(aten.sym_size.int, (node, dim))
+    elif isinstance(expr, (sympy.Mul, sympy.Add)):
+        combine = operator.mul if isinstance(expr, sympy.Mul) else operator.add
+        terms = [_size_node(graph, arg, sources, built) for arg in expr.args]
+        result = terms[0]
+        for term in terms[1:]:
+            result = graph.call_function(combine, (result, term))
+    elif isinstance(expr, FloorDiv):
+        numerator, denominator = (_size_node(graph, arg, sources, built) for arg in expr.args)
+        result = graph.call_function(operator.floordiv, (numerator, denominator))
+    else:
+        raise ExportError(f"size expression {expr} has no ONNX form here; train with dynamic=False.")
+    built[expr] = result
+    return result
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -181,20 +308,26 @@ def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[Out
     values = output_node.args[0]
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     unique: list[torch.fx.Node] = []
-    sources: list[int | None] = []
+    sources: list[int | sympy.Expr | None] = []
     for value in values:
         if value is None:
             sources.append(None)
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            sources.append(sympy.Integer(value))
             continue
         if not isinstance(value, torch.fx.Node):
             raise ExportError(
                 f"Captured graph returns a non-tensor value {value!r}; only tensors can leave ONNX Runtime."
             )
+        if isinstance(value.meta.get("val"), torch.SymInt):
+            sources.append(sympy.sympify(symbolic_size(value.meta["val"])))
+            continue
         if value not in unique:
             unique.append(value)
         sources.append(unique.index(value))
     output_node.args = (tuple(unique),)
-    specs = [OutputSpec(tuple(int(s) for s in n.meta["val"].shape), n.meta["val"].dtype) for n in unique]
+    specs = [OutputSpec(tuple(symbolic_size(s) for s in n.meta["val"].shape), n.meta["val"].dtype) for n in unique]
     return OutputLayout(tuple(sources)), specs
 
 
@@ -204,11 +337,11 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.
     noises: list[Noise] = []
     examples: list[torch.Tensor] = []
 
-    def new_input(noise: Noise) -> torch.fx.Node:
+    def new_input(noise: Noise, shape: Sequence[int | torch.SymInt]) -> torch.fx.Node:
         nonlocal last_placeholder
         with graph.inserting_after(last_placeholder):
             node = graph.placeholder(f"noise_{len(noises)}")
-        example = torch.zeros(noise.shape, dtype=noise.dtype)
+        example = torch.zeros(tuple(shape), dtype=noise.dtype)
         node.meta["val"] = example
         last_placeholder = node
         noises.append(noise)
@@ -223,12 +356,16 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.
             continue
         if node.target in _UNIFORM_OPS or node.target in _NORMAL_OPS:
             kind = "uniform" if node.target in _UNIFORM_OPS else "normal"
-            node.replace_all_uses_with(new_input(Noise(kind, tuple(val.shape), val.dtype)))
+            node.replace_all_uses_with(new_input(Noise(kind, _sizes(val.shape), val.dtype), val.shape))
             graph.erase_node(node)
         elif node.target in (aten.bernoulli.default, aten.bernoulli.p):
             _lift_bernoulli(graph, node, new_input)
     graph.eliminate_dead_code()
     return noises, examples
+
+
+def _sizes(shape: Sequence[int | torch.SymInt]) -> tuple[Size, ...]:
+    return tuple(symbolic_size(size) for size in shape)
 
 
 def _scalar(value: object) -> float:
@@ -253,8 +390,9 @@ def _lift_uniform_threshold(
     (compare,) = users
     if compare.target not in _THRESHOLD_OPS or compare.args[0] is not node or not isinstance(compare.args[1], float):
         return False
-    shape = tuple(node.meta["val"].shape)
-    mask = new_input(Noise("threshold", shape, torch.bool, _THRESHOLD_OPS[compare.target], compare.args[1]))
+    shape = node.meta["val"].shape
+    noise = Noise("threshold", _sizes(shape), torch.bool, _THRESHOLD_OPS[compare.target], compare.args[1])
+    mask = new_input(noise, shape)
     compare.replace_all_uses_with(mask)
     graph.erase_node(compare)
     graph.erase_node(node)
@@ -263,8 +401,8 @@ def _lift_uniform_threshold(
 
 def _lift_bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Callable[..., torch.fx.Node]) -> None:
     val = node.meta["val"]
-    shape, dtype = tuple(val.shape), val.dtype
-    uniform = new_input(Noise("uniform", shape, torch.float32))
+    uniform = new_input(Noise("uniform", _sizes(val.shape), torch.float32), val.shape)
+    dtype = val.dtype
     with graph.inserting_before(node):
         if node.target is aten.bernoulli.p:
             draw = graph.call_function(aten.lt.Scalar, (uniform, _scalar(node.args[1])))

@@ -8,11 +8,13 @@ current stream, so no synchronisation is needed either).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import onnx
 import onnxruntime as ort
 import torch
 
+from lightning_ort.engine.dynamic import evaluate
 from lightning_ort.engine.export import ExportedGraph, save_model
 from lightning_ort.options import DebugOptions, SessionSettings
 
@@ -113,15 +115,23 @@ class GraphSession:
         """Execution providers the session actually uses."""
         return list(self._session.get_providers())
 
-    def __call__(self, args: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def __call__(self, args: list[Any]) -> list[Any]:
         """Run the graph on ``args`` (AOTAutograd's boxed convention: the list may be cleared)."""
-        inputs = [_as_bindable(t) for t in args]
+        graph = self._graph
+        if graph.dropped_inputs:
+            inputs = [_as_bindable(t) for i, t in enumerate(args) if i not in graph.dropped_inputs]
+        else:
+            inputs = [_as_bindable(t) for t in args]
         args.clear()
-        inputs.extend(noise.draw(self._device) for noise in self._graph.noise)
+        env = {symbol: inputs[index].shape[dim] for symbol, (index, dim) in graph.symbols.items()}
+        inputs.extend(noise.draw(self._device, env) for noise in graph.noise)
         binding = self._session.io_binding()
         for name, tensor in zip(self._input_names, inputs):
             _bind(binding.bind_input, name, tensor)
-        outputs = [torch.empty(spec.shape, dtype=spec.dtype, device=self._device) for spec in self._graph.outputs]
+        outputs = [
+            torch.empty(tuple(evaluate(size, env) for size in spec.shape), dtype=spec.dtype, device=self._device)
+            for spec in graph.outputs
+        ]
         for name, tensor in zip(self._output_names, outputs):
             _bind(binding.bind_output, name, tensor)
         try:
@@ -134,7 +144,7 @@ class GraphSession:
                 "DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) and report the saved model."
             ) from err
         self.runs += 1
-        return self._graph.layout.place(outputs)
+        return graph.layout.place(outputs, env)
 
 
 def _as_bindable(tensor: torch.Tensor) -> torch.Tensor:
