@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 OptimizationLevel = Literal["disable", "basic", "extended", "all"]
 
-_UNSUPPORTED_PRECISION = {"16-mixed", "bf16-mixed", "transformer-engine", "transformer-engine-float16"}
+_UNSUPPORTED_PRECISION = {"transformer-engine", "transformer-engine-float16"}
 
 
 class ORTCallback(Callback):
@@ -173,8 +173,7 @@ def _check_precision(trainer: pl.Trainer) -> None:
     precision = str(trainer.precision)
     if precision in _UNSUPPORTED_PRECISION:
         raise ValueError(
-            f"Trainer(precision={precision!r}) is not supported with lightning_ort: autocast inserts casts that "
-            "ONNX Runtime's kernels cannot run (no bfloat16/float16 autocast graph support yet). Use "
-            "precision='32-true', or 'bf16-true'/'16-true' to train fully in that dtype where the execution "
-            "provider has kernels for it (CUDA)."
+            f"Trainer(precision={precision!r}) is not supported with lightning_ort: Transformer Engine replaces "
+            "layers with fused kernels ONNX cannot express. Use precision='bf16-mixed' or '16-mixed' (autocast, "
+            "captured into the ONNX graphs) or '32-true'."
         )

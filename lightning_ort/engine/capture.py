@@ -35,7 +35,13 @@ from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
 from lightning_ort.engine.export import ExportError, export_graph
-from lightning_ort.engine.partition import PartitionCall, PartitionedGraph, describe_ops, split_graph, unsupported_nodes
+from lightning_ort.engine.partition import (
+    PartitionCall,
+    PartitionedGraph,
+    describe_ops,
+    split_graph,
+    unsupported_nodes,
+)
 from lightning_ort.engine.rewrites import optimize_joint_graph
 from lightning_ort.engine.session import GraphSession, SessionError, provider_names
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
@@ -232,28 +238,28 @@ class CapturedGraphs:
         cached = self._load(gm, example_inputs, name)
         if cached is not None:
             return cached
-        unsupported = unsupported_nodes(gm)
+        unsupported = unsupported_nodes(gm, self._device)
         if not unsupported:
             try:
                 return self._session(gm, example_inputs, name)
-            except ExportError as err:
+            except (ExportError, SessionError) as err:
                 if self._options.fallback == "raise" or not err.nodes:
                     raise
-                return self._split(gm, list(err.nodes), name)
-        if self._options.fallback == "raise":
+                unsupported = dict.fromkeys(err.nodes, _failure_reason(err))
+        elif self._options.fallback == "raise":
             raise ExportError(
-                f"the {name} graph calls ops that ONNX cannot express: {describe_ops(unsupported)}.\n"
-                "Rewrite that part of the model with supported ops, keep that submodule outside ORTModule, or pass "
-                "fallback='auto' to run just those ops in PyTorch.",
-                [node.name for node in unsupported],
+                f"the {name} graph has ops ONNX Runtime cannot run: {describe_ops(gm, unsupported)}.\n"
+                "Rewrite that part of the model with supported ops or dtypes, keep that submodule outside "
+                "ORTModule, or pass fallback='auto' to run just those ops in PyTorch.",
+                list(unsupported),
             )
-        return self._split(gm, [node.name for node in unsupported], name)
+        return self._split(gm, unsupported, name)
 
-    def _split(self, gm: torch.fx.GraphModule, unsupported: list[str], name: str) -> PartitionedGraph:
+    def _split(self, gm: torch.fx.GraphModule, unsupported: dict[str, str], name: str) -> PartitionedGraph:
         """Run ``unsupported`` nodes in PyTorch and the rest in ONNX Runtime partitions.
 
-        A partition whose export fails at another op gets that op moved to PyTorch as well, and the graph is
-        split again.
+        A partition whose export (or session creation) fails at another op gets that op moved to PyTorch as
+        well, and the graph is split again.
         """
         while True:
             split, partitions = split_graph(gm, unsupported)
@@ -264,21 +270,20 @@ class CapturedGraphs:
                     examples = [node.meta["val"] for node in sub.graph.nodes if node.op == "placeholder"]
                     sessions.append(self._session(sub, examples, f"{name}_part{index}"))
                     setattr(split, partition, PartitionCall(sub, sessions[-1]))
-            except ExportError as err:
-                if not err.nodes or set(err.nodes) <= set(unsupported):
+            except (ExportError, SessionError) as err:
+                if not err.nodes or set(err.nodes) <= unsupported.keys():
                     raise
-                unsupported = [*unsupported, *err.nodes]
+                unsupported = {**unsupported, **dict.fromkeys(err.nodes, _failure_reason(err))}
                 continue
-            in_pytorch = [node for node in gm.graph.nodes if node.name in set(unsupported)]
-            self._log.fallback_ops += len(in_pytorch)
+            self._log.fallback_ops += len(unsupported)
             warnings.warn(
-                f"lightning_ort: {type(self._module).__name__}'s {name} graph runs {len(in_pytorch)} op(s) in "
-                f"PyTorch because ONNX cannot express them: {describe_ops(in_pytorch)}. The rest runs in ONNX Runtime "
-                f"({len(sessions)} partition(s)). Pass fallback='raise' to make this an error.",
+                f"lightning_ort: {type(self._module).__name__}'s {name} graph runs {len(unsupported)} op(s) in "
+                f"PyTorch: {describe_ops(gm, unsupported)}. The rest runs in ONNX Runtime ({len(sessions)} "
+                "partition(s)). Pass fallback='raise' to make this an error.",
                 FallbackWarning,
                 stacklevel=2,
             )
-            return PartitionedGraph(split, name, sessions, len(in_pytorch))
+            return PartitionedGraph(split, name, sessions, len(unsupported))
 
     def _load(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession | None:
         """A session on ``gm``'s graph saved in the disk cache, or ``None`` if there is none."""
@@ -327,6 +332,12 @@ def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     return min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
+
+
+def _failure_reason(err: ExportError | SessionError) -> str:
+    if isinstance(err, SessionError):
+        return "ONNX Runtime has no kernel (for these dtypes, on this provider) for"
+    return "the ONNX translation failed for"
 
 
 def _user_frame(err: BaseException) -> str:

@@ -22,23 +22,58 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lightning_ort.engine.export import copy_graph_module, node_origin, quiet_exporter
 
+aten = torch.ops.aten
 
-def unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """Nodes of ``gm`` calling an op that the ONNX exporter neither translates nor decomposes."""
+
+def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[str, str]:
+    """Nodes of ``gm`` ONNX Runtime cannot run, by name, each with the reason.
+
+    Ops the ONNX exporter neither translates nor decomposes, and on CPU ops on ``bfloat16`` tensors (ONNX
+    Runtime's CPU provider has kernels for casting them, not for computing with them).
+    """
     covered = _onnx_coverage()
-    return [
-        node
-        for node in gm.graph.nodes
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target not in covered
-    ]
+    reasons: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target not in covered:
+            reasons[node.name] = NO_TRANSLATION
+        elif device.type == "cpu" and node.target not in _CASTS and _touches_bfloat16(node):
+            reasons[node.name] = "ONNX Runtime's CPUExecutionProvider has no bfloat16 kernel for"
+    return reasons
 
 
-def describe_ops(nodes: Iterable[torch.fx.Node]) -> str:
-    """``"`aten.foo.default` (module `encoder.layers.0` (Foo))"``, one entry per op, for messages."""
-    origins: dict[str, set[str]] = {}
-    for node in nodes:
-        origins.setdefault(str(node.target), set()).add(node_origin(node) or "unknown module")
-    return "; ".join(f"`{op}` ({', '.join(sorted(where))})" for op, where in sorted(origins.items()))
+NO_TRANSLATION = "ONNX has no translation for"
+
+
+def describe_ops(gm: torch.fx.GraphModule, reasons: dict[str, str]) -> str:
+    """``"ONNX has no translation for `aten.foo.default` (module `encoder` (Foo))"``, grouped by reason."""
+    grouped: dict[str, dict[str, set[str]]] = {}
+    for node in gm.graph.nodes:
+        if node.name in reasons:
+            origins = grouped.setdefault(reasons[node.name], {}).setdefault(str(node.target), set())
+            origins.add(node_origin(node) or "unknown module")
+    return "; ".join(
+        f"{reason} " + ", ".join(f"`{op}` ({_places(where)})" for op, where in sorted(ops.items()))
+        for reason, ops in grouped.items()
+    )
+
+
+def _places(origins: set[str], shown: int = 3) -> str:
+    ordered = sorted(origins)
+    more = f" and {len(ordered) - shown} more" if len(ordered) > shown else ""
+    return ", ".join(ordered[:shown]) + more
+
+
+def _touches_bfloat16(node: torch.fx.Node) -> bool:
+    values = [node.meta.get("val"), *(arg.meta.get("val") for arg in node.all_input_nodes)]
+    flat = [v for value in values for v in (value if isinstance(value, (tuple, list)) else (value,))]
+    return any(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 for v in flat)
+
+
+_CASTS = frozenset(
+    {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default, torch.ops.aten.clone.default}
+)
 
 
 def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[torch.fx.GraphModule, list[str]]:
@@ -53,6 +88,12 @@ def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[t
     )
     with fx_traceback.preserve_node_meta(enable=False):
         fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    for node in fused.graph.nodes:
+        # Tensors coming back from ONNX Runtime are contiguous, not strided as during tracing, so a view there
+        # may be impossible: reshape is the same op when the strides allow it, and a copy when not.
+        if node.op == "call_function" and node.target in (aten.view.default, aten._unsafe_view.default):
+            node.target = aten.reshape.default
+    fused.recompile()
     names = [node.target for node in fused.graph.nodes if node.op == "call_module"]
     return fused, [str(name) for name in names]
 

@@ -8,6 +8,8 @@ current stream, so no synchronisation is needed either).
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import onnx
@@ -23,7 +25,16 @@ log = logging.getLogger(__name__)
 
 class SessionError(RuntimeError):
     """ONNX Runtime could not load an exported graph (typically: no kernel for an op/dtype on the provider), or
-    failed while running one."""
+    failed while running one.
+
+    Args:
+        message: what failed and what to do.
+        nodes: names of the captured graph's nodes the failure names (ONNX nodes are named after them).
+    """
+
+    def __init__(self, message: str, nodes: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.nodes = tuple(nodes)
 
 
 _ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
@@ -99,7 +110,9 @@ class GraphSession:
             raise SessionError(
                 f"ONNX Runtime could not load the {graph.name} graph with providers {names}: {err}\n"
                 "If it names an op without an implementation, that op/dtype has no kernel on this provider "
-                "(e.g. float64 Erf on CPU): use float32, another provider, or keep that submodule out of ORTModule."
+                "(e.g. float64 Erf on CPU): use float32, another provider, keep that submodule out of ORTModule, "
+                "or pass fallback='auto' to run such ops in PyTorch.",
+                [name.removeprefix("node_") for match in _NODE_NAME.findall(str(err)) for name in match if name],
             ) from err
         self._input_names = [i.name for i in self._session.get_inputs()]
         self._output_names = [o.name for o in self._session.get_outputs()]
@@ -145,6 +158,11 @@ class GraphSession:
             ) from err
         self.runs += 1
         return graph.layout.place(outputs, env)
+
+
+# "Could not find an implementation for MatMul(13) node with name 'node_mm'" (no kernel) and
+# "... bound to different types ... in node (node_layer_norm)" (type check): the ONNX node names the FX node.
+_NODE_NAME = re.compile(r"node with name '([^']+)'|in node \(([^)]+)\)")
 
 
 def _as_bindable(tensor: torch.Tensor) -> torch.Tensor:

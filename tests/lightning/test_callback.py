@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from lightning_ort import ExportError, FallbackWarning, ORTCallback, ORTModule
+from lightning_ort.callback import _check_precision
 from tests.custom_ops import CustomOpMLP
 from tests.lightning.models import LateHeadLM, TinyTransformerLM
 
@@ -100,10 +102,36 @@ def test_module_created_in_configure_model_is_wrapped_later(tmp_path: Path) -> N
     assert model.head.statistics.backward_runs == 2
 
 
-def test_mixed_precision_is_refused_with_a_clear_message(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, [ORTCallback()], precision="bf16-mixed")
-    with pytest.raises(ValueError, match=r"precision='bf16-mixed'\) is not supported.*'32-true'"):
-        trainer.fit(TinyTransformerLM())
+def test_bf16_mixed_trains_like_plain_lightning_with_per_op_fallback_on_cpu(tmp_path: Path) -> None:
+    losses: dict[str, list[float]] = {}
+    for name, callbacks in (("plain", []), ("ort", [ORTCallback()])):
+        pl.seed_everything(0)
+        model = TinyTransformerLM()
+        recorder = LossRecorder()
+        _trainer(tmp_path / name, [*callbacks, recorder], precision="bf16-mixed", max_steps=4).fit(model)
+        losses[name] = recorder.losses
+    for step, (ort, plain) in enumerate(zip(losses["ort"], losses["plain"])):
+        assert abs(ort - plain) <= 2e-2 * abs(plain), f"step {step}: ORT {ort} vs eager bf16 {plain}"
+    assert isinstance(model.net, ORTModule)
+    assert model.net.statistics.backward_runs == 4
+    assert model.net.statistics.fallback_ops > 0  # bfloat16 matmuls: no CPU kernels in ONNX Runtime
+    assert model.trainer.callback_metrics["ort/fallback_ops"] > 0
+
+
+class LossRecorder(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_transformer_engine_precision_is_refused_with_a_clear_message() -> None:
+    trainer = SimpleNamespace(precision="transformer-engine")
+    with pytest.raises(ValueError, match=r"precision='transformer-engine'\) is not supported.*'bf16-mixed'"):
+        _check_precision(trainer)  # type: ignore[arg-type]
 
 
 def test_module_without_trainable_children_is_an_error(tmp_path: Path) -> None:
