@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,11 @@ import torch
 from torch import nn
 
 from lightning_ort.engine.cache import CacheStatistics, GraphCache
-from lightning_ort.engine.capture import BuildOptions, CapturedGraphs
+from lightning_ort.engine.capture import BuildOptions, CapturedGraphs, FallbackWarning
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, Shapes, all_dims, changed_dims
+from lightning_ort.engine.export import ExportError
+from lightning_ort.engine.session import SessionError
 from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
 
@@ -102,6 +105,7 @@ class ORTModule(nn.Module):
             DiskCache(cache_dir) if cache_dir is not None else None,
         )
         self._dynamic = dynamic
+        self._static_keys: set[Hashable] = set()
         self._forward_parameter_names = forward_parameter_names(module)
         self._cache = GraphCache()
         configure_logger(debug.log_level)
@@ -168,6 +172,33 @@ class ORTModule(nn.Module):
         if entry is not None:
             return entry(state_tensors, inputs.tensors)
         dims = self._dynamic_dims(general_key, shapes)
+        build = (key, general_key, shapes, inputs, state, device)
+        if not dims or self._dynamic is not None:
+            return self._build_and_run(*build, dims)
+        try:
+            return self._build_and_run(*build, dims)
+        except (ExportError, SessionError) as err:
+            self._static_keys.add(general_key)
+            first_line = str(err).strip().splitlines()[0]
+            warnings.warn(
+                f"lightning_ort: {type(self._original_module).__name__}: no graph with symbolic sizes for input "
+                f"dimensions {sorted(dims)} ({first_line}); building one graph per input shape instead. Pass "
+                "dynamic=False to skip the attempt.",
+                FallbackWarning,
+                stacklevel=2,
+            )
+            return self._build_and_run(*build, frozenset())
+
+    def _build_and_run(
+        self,
+        key: Hashable,
+        general_key: Hashable,
+        shapes: Shapes,
+        inputs: FlatInputs,
+        state: list[tuple[str, torch.Tensor]],
+        device: torch.device,
+        dims: DynamicDims,
+    ) -> Any:
         tag = self._cache.next_tag()
         log.info(
             "building a new graph for %s (signature %s%s)",
@@ -187,7 +218,7 @@ class ORTModule(nn.Module):
         )
         self._cache.insert(key, general_key, shapes, entry)
         try:
-            output = entry(state_tensors, inputs.tensors)
+            output = entry([tensor for _, tensor in state], inputs.tensors)
         except Exception:
             self._cache.discard(key, general_key, entry)
             raise
@@ -199,6 +230,8 @@ class ORTModule(nn.Module):
             return frozenset()
         if self._dynamic is True:
             return all_dims(shapes)
+        if general_key in self._static_keys:
+            return frozenset()
         return changed_dims(self._cache.seen_shapes(general_key), shapes)
 
     def _graph_state(self) -> list[tuple[str, torch.Tensor]]:

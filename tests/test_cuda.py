@@ -60,3 +60,38 @@ def test_cuda_tensors_are_bound_in_place(monkeypatch: pytest.MonkeyPatch) -> Non
     logits.float().mean().backward()
     assert logits.is_cuda and set(devices) == {"cuda"}
     assert all(p.grad is not None and p.grad.is_cuda for p in wrapped.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_autocast_with_grad_scaler_matches_eager(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    eager = CausalLM().cuda()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, wrapped)]
+    scalers = [torch.amp.GradScaler("cuda", enabled=dtype == torch.float16) for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    for _step in range(4):
+        ids = torch.randint(0, 64, (4, 17), generator=g).cuda()
+        losses = []
+        for model, optimizer, scaler in zip((eager, wrapped), optimizers, scalers):
+            with torch.autocast("cuda", dtype=dtype):
+                logits = model(ids[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), ids[:, 1:].reshape(-1))
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[0]), losses
+    assert scalers[0].get_scale() == scalers[1].get_scale(), "loss scaling must behave as in eager"
+    assert wrapped.statistics.backward_runs == 4 and wrapped.providers[0] == "CUDAExecutionProvider"
+
+
+def test_variable_lengths_build_two_graphs_on_cuda() -> None:
+    torch.manual_seed(0)
+    eager = CausalLM().cuda()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    for length in (16, 9, 12, 5):
+        ids = torch.randint(0, 64, (2, length), device="cuda")
+        torch.testing.assert_close(wrapped(ids), eager(ids), rtol=1e-3, atol=1e-3)
+    assert wrapped.statistics.cache_misses == 2

@@ -131,6 +131,7 @@ class CapturedGraphs:
         self._compile_seconds = 0.0
         self._dynamic_dims = dynamic_dims
         self._guards: ShapeGuards | None = None
+        self._backward_failure: ExportError | SessionError | None = None
         self.runners: list[tuple[str, GraphRunner]] = []
         self._function = aot_function(
             self._functional_forward,
@@ -170,6 +171,10 @@ class CapturedGraphs:
                             symbolic_inputs([*state, *tensors], self._dynamic_dims, len(state))
                         )
                     flat = self._function(*state, *tensors)
+                if self._backward_failure is not None:
+                    # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to
+                    # the first backward; report it now, while the caller can still build differently.
+                    raise self._backward_failure
                 if self._dynamic_dims:
                     shapes = tuple(tuple(t.shape) for t in tensors)
                     self._guards = ShapeGuards(shape_env, shapes, self._dynamic_dims)
@@ -224,7 +229,10 @@ class CapturedGraphs:
                 try:
                     runner = self._build(gm, example_inputs, name)
                 except (ExportError, SessionError) as err:
-                    raise type(err)(f"{owner}: {err}") from err
+                    failure = type(err)(f"{owner}: {err}", err.nodes)
+                    if kind == "backward":
+                        self._backward_failure = failure
+                    raise failure from err
             seconds = time.perf_counter() - start
             log.info("built %s graph of %s in %.2fs (providers %s)", name, owner, seconds, runner.providers)
             self.runners.append((kind, runner))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_ort import ORTModule
+import lightning_ort.engine.capture as capture_module
+from lightning_ort import ExportError, FallbackWarning, ORTModule
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE
 from tests.zoo import MLP, CausalLM
 
@@ -124,3 +126,27 @@ def test_symbolic_graphs_round_trip_through_the_disk_cache(tmp_path: Path) -> No
 def test_dynamic_must_be_a_bool_or_none(value: object) -> None:
     with pytest.raises(TypeError, match=r"dynamic=.* must be True, False or None"):
         ORTModule(MLP(), dynamic=value)  # type: ignore[arg-type]
+
+
+def test_automatic_mode_falls_back_to_one_graph_per_shape_when_symbolic_export_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_export = capture_module.export_graph
+
+    def no_symbolic_export(gm: torch.fx.GraphModule, example_inputs: Any, name: str, verbose: bool) -> Any:
+        if any(
+            isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape) for v in example_inputs
+        ):
+            raise ExportError("simulated: this graph cannot be exported with symbolic sizes")
+        return real_export(gm, example_inputs, name, verbose)
+
+    monkeypatch.setattr(capture_module, "export_graph", no_symbolic_export)
+    torch.manual_seed(0)
+    eager = MLP()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    g = torch.Generator().manual_seed(4)
+    _step_and_compare(wrapped, eager, torch.randn(8, 16, generator=g))
+    with pytest.warns(FallbackWarning, match=r"no graph with symbolic sizes .*\[\(0, 0\)\].*simulated"):
+        _step_and_compare(wrapped, eager, torch.randn(5, 16, generator=g))
+    _step_and_compare(wrapped, eager, torch.randn(3, 16, generator=g))
+    assert wrapped.statistics.cache_misses == 3 and wrapped.statistics.cached_graphs == 3
