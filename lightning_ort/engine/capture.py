@@ -162,6 +162,10 @@ class CapturedGraphs:
         """Run the graphs on the current ``state`` (parameters, buffers) and input ``tensors``."""
         if self._eager_reason is not None:
             return self._run_eager(tensors)
+        if self._dynamic_dims:
+            # Contiguous inputs have strides that are functions of their sizes; a non-contiguous one would add
+            # stride symbols (and guards on them) that tell nothing about the computation.
+            tensors = [t.contiguous() for t in tensors]
         if self._rebuild_output is None:
             start, compiled_before = time.perf_counter(), self._compile_seconds
             try:

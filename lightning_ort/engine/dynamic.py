@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 import sympy
 import torch
-from torch._dynamo.source import LocalSource
+from torch._dynamo.source import LocalSource, TensorProperty
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatefulSymbolicContext
@@ -85,7 +85,8 @@ class ShapeGuards:
             for source in sources:
                 name = getattr(getattr(source, "base", None), "local_name", "")
                 dim = getattr(source, "idx", None)
-                if name.startswith(_INPUT_PREFIX) and isinstance(dim, int):
+                is_size = getattr(source, "prop", None) == TensorProperty.SIZE
+                if is_size and name.startswith(_INPUT_PREFIX) and isinstance(dim, int):
                     self._symbols.setdefault((int(name.removeprefix(_INPUT_PREFIX)), dim), symbol)
         self._dims = frozenset(dim for dim in dims if dim in self._symbols)
 

@@ -63,11 +63,13 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
         if not pieces or len(pieces) != len(leaves or []):
             continue
         sizes, dim = pieces[0].sizes, pieces[0].dim
-        by_index = {piece.index % sizes[dim]: piece.grad for piece in pieces}
+        count = sizes[dim]
+        assert isinstance(count, int)
+        by_index = {piece.index % count: piece.grad for piece in pieces}
         same_shape = all(p.sizes == sizes and p.dim == dim for p in pieces)
-        if not same_shape or len(by_index) != len(pieces) or sorted(by_index) != list(range(sizes[dim])):
+        if not same_shape or len(by_index) != len(pieces) or sorted(by_index) != list(range(count)):
             continue
-        grads = [by_index[i] for i in range(sizes[dim])]
+        grads = [by_index[i] for i in range(count)]
         with gm.graph.inserting_before(node):
             stacked = gm.graph.call_function(aten.stack.default, (grads, dim))
         stacked.meta = {**node.meta, "val": _stacked_value([g.meta["val"] for g in grads], dim)}
@@ -82,19 +84,20 @@ class _SelectGradient:
     """The arguments of one ``select_backward(grad, sizes, dim, index)`` node."""
 
     grad: torch.fx.Node
-    sizes: list[int]
+    sizes: tuple[int | torch.fx.Node, ...]
     dim: int
     index: int
 
     @classmethod
     def of(cls, node: torch.fx.Node) -> _SelectGradient | None:
+        """The select gradient's arguments, if the selected dimension has a fixed size (others may be symbolic)."""
         grad, sizes, dim, index = node.args
         if not isinstance(grad, torch.fx.Node) or not isinstance(sizes, (list, tuple)):
             return None
-        int_sizes = [size for size in sizes if isinstance(size, int)]
-        if len(int_sizes) != len(sizes) or not isinstance(dim, int) or not isinstance(index, int):
+        if not isinstance(dim, int) or not isinstance(index, int) or not isinstance(sizes[dim], int):
             return None
-        return cls(grad, int_sizes, dim % len(sizes), index)
+        parts = tuple(size for size in sizes if isinstance(size, (int, torch.fx.Node)))
+        return cls(grad, parts, dim % len(sizes), index) if len(parts) == len(sizes) else None
 
 
 def _select_backward_leaves(root: torch.fx.Node) -> list[torch.fx.Node] | None:

@@ -79,13 +79,13 @@ def test_damaged_file_is_reported_rebuilt_and_never_loaded(tmp_path: Path, damag
 
 
 def test_different_shapes_get_different_files(tmp_path: Path) -> None:
-    model = ORTModule(MLP(), cache_dir=tmp_path)
+    model = ORTModule(MLP(), cache_dir=tmp_path, dynamic=False)
     with torch.no_grad():
         model(torch.randn(3, 16))
         model(torch.randn(5, 16))
     assert len(list(tmp_path.glob("*.ortgraph"))) == 2
 
-    fresh = ORTModule(MLP(), cache_dir=tmp_path)
+    fresh = ORTModule(MLP(), cache_dir=tmp_path, dynamic=False)
     with torch.no_grad():
         fresh(torch.randn(5, 16))
     assert fresh.statistics.disk_cache_loads == 1 and fresh.statistics.onnx_exports == 0

@@ -6,12 +6,13 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import onnx
 import pytest
 import torch
 from torch import nn
 
 import lightning_ort.engine.capture as capture_module
-from lightning_ort import ExportError, FallbackWarning, ORTModule
+from lightning_ort import DebugOptions, ExportError, FallbackWarning, ORTModule
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE
 from tests.zoo import MLP, CausalLM
 
@@ -150,3 +151,13 @@ def test_automatic_mode_falls_back_to_one_graph_per_shape_when_symbolic_export_f
         _step_and_compare(wrapped, eager, torch.randn(5, 16, generator=g))
     _step_and_compare(wrapped, eager, torch.randn(3, 16, generator=g))
     assert wrapped.statistics.cache_misses == 3 and wrapped.statistics.cached_graphs == 3
+
+
+def test_symbolic_attention_gradient_keeps_the_stacked_rewrite(tmp_path: Path) -> None:
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    wrapped = ORTModule(layer, DebugOptions(save_onnx=True, save_path=tmp_path), dynamic=True)
+    wrapped(torch.randn(2, 7, 32)).sum().backward()
+    backward = onnx.load(str(tmp_path / "backward.onnx"))
+    ops = {node.op_type for node in backward.graph.node}
+    assert "ScatterElements" not in ops, "q, k, v gradients must be stacked, not scattered into zeros"
+    assert any(d.dim_param for i in backward.graph.input for d in i.type.tensor_type.shape.dim)
