@@ -31,7 +31,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_ort.engine.decompositions import capture_decompositions
+from lightning_ort.engine.decompositions import attention, capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
 from lightning_ort.engine.export import ExportError, export_graph
@@ -373,8 +373,9 @@ def _rng_devices(device: torch.device) -> list[int]:
 def _capture_context(module: torch.nn.Module) -> Iterator[None]:
     """Settings that make tracing produce ONNX-exportable graphs.
 
-    * SDPA takes its math path, so its backward is built from plain ops (the fused kernels' backward
-      ops have no ONNX translation);
+    * ``F.scaled_dot_product_attention`` is :func:`~lightning_ort.engine.decompositions.attention`, its math
+      path in plain ops (the fused kernels' backward ops have no ONNX translation), and SDPA called by other
+      names takes the math path;
     * the ``nn.TransformerEncoder`` fast path (a fused inference kernel) is off;
     * ``nn.Transformer``'s check whether a given mask is causal (it compares mask values, which one graph
       cannot do) is skipped: the answer is only a hint, and the explicit mask gives the same result;
@@ -405,6 +406,9 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
         stack_ctx.callback(torch.backends.mha.set_fastpath_enabled, fastpath)
         stack_ctx.enter_context(
             unittest.mock.patch.object(torch.nn.modules.transformer, "_detect_is_causal_mask", _declared_causal)
+        )
+        stack_ctx.enter_context(
+            unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", attention)
         )
         yield
 
