@@ -129,7 +129,8 @@ def _unfolded_weight_grad(
     ]
     columns = torch.stack(windows, 2).reshape(batch, channels * math.prod(kernel), math.prod(out))
     grad = grad_output.reshape(batch, out_channels, math.prod(out))
-    return (grad @ columns.transpose(1, 2)).sum(0).reshape(out_channels, channels, *kernel)
+    # columns @ grad^T transposes the smaller operand (the output gradient, not the kernel-times-larger columns).
+    return (columns @ grad.transpose(1, 2)).sum(0).t().reshape(out_channels, channels, *kernel)
 
 
 def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:

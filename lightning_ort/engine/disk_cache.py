@@ -148,7 +148,7 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_FORMAT = "2"
+_FORMAT = "3"
 
 
 def _encode(graph: ExportedGraph) -> bytes:

@@ -18,6 +18,7 @@ import torch
 
 from lightning_ort.engine.dynamic import evaluate
 from lightning_ort.engine.export import ExportedGraph, save_model
+from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS
 from lightning_ort.options import DebugOptions, SessionSettings
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,10 @@ class GraphSession:
         providers = providers_for(device, settings)
         try:
             self._session = ort.InferenceSession(
-                graph.model.SerializeToString(), sess_options=options, providers=providers
+                graph.model.SerializeToString(),
+                sess_options=options,
+                providers=providers,
+                disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
             )
         except Exception as err:
             names = [p if isinstance(p, str) else p[0] for p in providers]

@@ -1,0 +1,59 @@
+"""ONNX-level rewrites: transposed right MatMul operands fused, transposed left ones left explicit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from lightning_ort import DebugOptions, ORTModule
+from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS, fuse_transposed_right_operands
+
+
+def test_fused_matmul_computes_the_same_product() -> None:
+    nodes = [
+        helper.make_node("Transpose", ["b"], ["bt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["a", "bt"], ["y"]),
+        helper.make_node("Transpose", ["b"], ["other"], perm=[1, 0, 2]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3, 4]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 5, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5]),
+            helper.make_tensor_value_info("other", TensorProto.FLOAT, [5, 2, 4]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert fuse_transposed_right_operands(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["FusedMatMul", "Transpose"]  # the other transpose stays
+    session = ort.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"], disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS)
+    )
+    a, b = np.random.rand(2, 3, 4).astype(np.float32), np.random.rand(2, 5, 4).astype(np.float32)
+    y, other = session.run(None, {"a": a, "b": b})
+    np.testing.assert_allclose(y, a @ b.transpose(0, 2, 1), rtol=1e-5)
+    np.testing.assert_allclose(other, b.transpose(1, 0, 2))
+
+
+def test_weight_gradient_keeps_its_transpose_explicit(tmp_path: Path) -> None:
+    # Linear's weight gradient is grad.T @ input, a transposed *left* operand: ONNX Runtime's fused kernel for
+    # that is slower than an explicit Transpose and MatMul, so it must not be fused.
+    wrapped = ORTModule(torch.nn.Linear(8, 4), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped(torch.randn(5, 8)).sum().backward()
+    for name in ("backward.onnx", "backward_optimized.onnx"):
+        graph = onnx.load(str(tmp_path / name)).graph
+        assert not any(_attribute(node, "transA") == 1 for node in graph.node), name
+    assert any(node.op_type == "Transpose" for node in onnx.load(str(tmp_path / "backward_optimized.onnx")).graph.node)
+
+
+def _attribute(node: onnx.NodeProto, name: str) -> int:
+    return next((attr.i for attr in node.attribute if attr.name == name), 0)
