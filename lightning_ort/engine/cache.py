@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -120,19 +121,13 @@ class GraphCache:
 
     def statistics(self) -> CacheStatistics:
         forward, backward = self._run_counts()
-        build = self.build_log
         return CacheStatistics(
-            export_seconds=build.export_seconds,
-            capture_seconds=build.capture_seconds,
             cache_hits=self._hits,
             cache_misses=self._misses,
             cached_graphs=len(self._entries) + sum(len(entries) for entries in self._dynamic.values()),
             forward_runs=forward,
             backward_runs=backward,
-            onnx_exports=build.onnx_exports,
-            disk_cache_loads=build.disk_cache_loads,
-            fallback_ops=build.fallback_ops,
-            eager_signatures=build.eager_signatures,
+            **dataclasses.asdict(self.build_log),
         )
 
     def runners(self) -> Iterator[tuple[str, GraphRunner]]:
