@@ -125,10 +125,12 @@ class ORTModule(nn.Module):
 
     @property
     def fallback(self) -> Fallback:
+        """``"auto"`` (ops ONNX Runtime cannot run go to PyTorch) or ``"raise"``."""
         return self._build_options.fallback
 
     @property
     def dynamic(self) -> bool | None:
+        """Symbolic input sizes: ``None`` automatic, ``True`` all dimensions, ``False`` one graph per shape."""
         return self._dynamic
 
     @property

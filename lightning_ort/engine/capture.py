@@ -31,7 +31,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_ort.engine.decompositions import attention, capture_decompositions
+from lightning_ort.engine.decompositions import attention, capture_decompositions, multihead_attention
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
 from lightning_ort.engine.export import ExportError, export_graph
@@ -152,11 +152,6 @@ class CapturedGraphs:
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether these (symbolic-shape) graphs can run ``tensors``: only meaningful after the first call."""
         return self._guards is not None and self._guards.accepts(tensors)
-
-    @property
-    def runs_in_pytorch(self) -> bool:
-        """Whether this signature runs entirely in PyTorch (its control flow depends on tensor values)."""
-        return self._eager_reason is not None
 
     def __call__(self, state: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> Any:
         """Run the graphs on the current ``state`` (parameters, buffers) and input ``tensors``."""
@@ -377,6 +372,8 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
       path in plain ops (the fused kernels' backward ops have no ONNX translation), and SDPA called by other
       names takes the math path;
     * the ``nn.TransformerEncoder`` fast path (a fused inference kernel) is off;
+    * batch-first ``nn.MultiheadAttention`` self-attention is computed in its own layout
+      (:func:`~lightning_ort.engine.decompositions.multihead_attention`: 2 transposes instead of about 7);
     * ``nn.Transformer``'s check whether a given mask is causal (it compares mask values, which one graph
       cannot do) is skipped: the answer is only a hint, and the explicit mask gives the same result;
     * each traced node records the submodule it came from, for export error messages.
@@ -410,6 +407,7 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
         stack_ctx.enter_context(
             unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", attention)
         )
+        stack_ctx.enter_context(unittest.mock.patch.object(torch.nn.MultiheadAttention, "forward", multihead_attention))
         yield
 
 

@@ -256,6 +256,89 @@ def attention(
     return weights @ value
 
 
+_MULTIHEAD_FORWARD = torch.nn.MultiheadAttention.forward
+
+
+def multihead_attention(
+    module: torch.nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``nn.MultiheadAttention.forward`` computing batch-first self-attention in the batch-first layout.
+
+    PyTorch's implementation turns batch-first inputs into sequence-first ones and back, and splits heads
+    with views that eager gets for free but ONNX materialises (about 7 transposes per layer forward, as many
+    backward). For batch-first self-attention without attention weights (what ``nn.TransformerEncoderLayer``
+    asks for) this computes the same products and masks with two: one to split q, k, v and heads, one to merge
+    heads. Every other configuration runs PyTorch's own forward.
+
+    Example:
+        >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> x, padding = torch.randn(3, 5, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 5])
+        >>> expected, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
+        >>> actual, _ = multihead_attention(mha, x, x, x, key_padding_mask=padding, need_weights=False)
+        >>> torch.allclose(actual, expected, atol=1e-6)
+        True
+    """
+    supported = (
+        module.batch_first
+        and query is key
+        and key is value
+        and query.dim() == 3
+        and not need_weights
+        and module._qkv_same_embed_dim
+        and module.bias_k is None
+        and not module.add_zero_attn
+        and not (is_causal and attn_mask is None)
+    )
+    if not supported:
+        return _MULTIHEAD_FORWARD(
+            module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
+    functional = torch.nn.functional
+    key_padding_mask = functional._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=functional._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    attn_mask = functional._canonical_mask(
+        mask=attn_mask,
+        mask_name="attn_mask",
+        other_type=None,
+        other_name="",
+        target_type=query.dtype,
+        check_other=False,
+    )
+    batch, length, width = query.shape
+    heads = module.num_heads
+    mask = None
+    causal = is_causal and key_padding_mask is None
+    if not causal:
+        if attn_mask is not None:
+            mask = (
+                attn_mask.view(1, 1, length, length)
+                if attn_mask.dim() == 2
+                else attn_mask.view(batch, heads, length, length)
+            )
+        if key_padding_mask is not None:
+            padding = key_padding_mask.view(batch, 1, 1, length)
+            mask = padding if mask is None else mask + padding
+    projected = functional.linear(query, module.in_proj_weight, module.in_proj_bias)
+    q, k, v = projected.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    dropout = module.dropout if module.training else 0.0
+    attended = attention(q, k, v, mask, dropout, causal)
+    merged = attended.transpose(1, 2).reshape(batch, length, width)
+    return functional.linear(merged, module.out_proj.weight, module.out_proj.bias), None
+
+
 def capture_decompositions() -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd.
 

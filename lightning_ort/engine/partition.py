@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lightning_ort.engine.export import copy_graph_module, node_origin, quiet_exporter
+from lightning_ort.engine.session import GraphSession
 
 aten = torch.ops.aten
 
@@ -106,9 +107,7 @@ class PartitionCall(torch.nn.Module):
         session: the partition's ONNX Runtime session (AOTAutograd's boxed convention).
     """
 
-    def __init__(
-        self, partition: torch.fx.GraphModule, session: Callable[[list[torch.Tensor]], list[torch.Tensor | None]]
-    ) -> None:
+    def __init__(self, partition: torch.fx.GraphModule, session: GraphSession) -> None:
         super().__init__()
         self._session = session
         self._single = not isinstance(partition.graph.output_node().args[0], (tuple, list))
@@ -132,7 +131,9 @@ class PartitionedGraph:
 
     _boxed_call = True
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, sessions: Sequence[Any], fallback_ops: int) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, name: str, sessions: Sequence[GraphSession], fallback_ops: int
+    ) -> None:
         self._gm = gm
         self._sessions = list(sessions)
         self.name = name

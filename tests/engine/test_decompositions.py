@@ -1,11 +1,11 @@
-"""The convolution-backward decomposition matches ATen's kernel."""
+"""Decompositions and capture-time substitutions match the PyTorch ops they replace."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_ort.engine.decompositions import capture_decompositions, convolution_backward
+from lightning_ort.engine.decompositions import capture_decompositions, convolution_backward, multihead_attention
 
 aten = torch.ops.aten
 
@@ -47,3 +47,29 @@ def test_table_covers_ops_without_onnx_translation() -> None:
     table = capture_decompositions()
     assert aten.convolution_backward.default in table
     assert aten._native_batch_norm_legit_functional.default in table
+
+
+@pytest.mark.parametrize(
+    "masks", ["none", "padding", "bool_mask", "float_mask_and_padding", "causal", "causal_padding"]
+)
+def test_batch_first_self_attention_matches_multihead_attention(masks: str) -> None:
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(3, 6, 16, requires_grad=True)
+    padding = torch.arange(6).expand(3, 6) >= torch.tensor([[6], [4], [2]])
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    kwargs: dict[str, object] = {
+        "none": {},
+        "padding": {"key_padding_mask": padding},
+        "bool_mask": {"attn_mask": torch.rand(6, 6) > 0.7},
+        "float_mask_and_padding": {"attn_mask": torch.randn(6, 6), "key_padding_mask": padding},
+        "causal": {"attn_mask": causal, "is_causal": True},
+        "causal_padding": {"attn_mask": causal, "is_causal": True, "key_padding_mask": padding},
+    }[masks]
+    expected, _ = mha(x, x, x, need_weights=False, **kwargs)
+    actual, weights = multihead_attention(mha, x, x, x, need_weights=False, **kwargs)
+    assert weights is None
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    (grads_expected,) = torch.autograd.grad(expected.square().sum(), x)
+    (grads_actual,) = torch.autograd.grad(actual.square().sum(), x)
+    torch.testing.assert_close(grads_actual, grads_expected, rtol=1e-5, atol=1e-5)
