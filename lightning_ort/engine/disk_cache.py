@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec, Size
+from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec, PassedInput, Size
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_FORMAT = "3"
+_FORMAT = "4"
 
 
 def _encode(graph: ExportedGraph) -> bytes:
@@ -156,7 +156,7 @@ def _encode(graph: ExportedGraph) -> bytes:
         {
             "noise": [[n.kind, _sizes_to_json(n.shape), str(n.dtype), n.compare, n.threshold] for n in graph.noise],
             "outputs": [[_sizes_to_json(o.shape), str(o.dtype)] for o in graph.outputs],
-            "layout": [_size_to_json(source) for source in graph.layout.sources],
+            "layout": [_source_to_json(source) for source in graph.layout.sources],
             "symbols": [[str(symbol), index, dim] for symbol, (index, dim) in graph.symbols.items()],
             "dropped_inputs": list(graph.dropped_inputs),
         }
@@ -179,9 +179,17 @@ def _decode(data: bytes, name: str) -> ExportedGraph:
         for kind, shape, dtype, compare, threshold in header["noise"]
     ]
     outputs = [OutputSpec(_sizes_from_json(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
-    layout = OutputLayout(tuple(_size_from_json(source) for source in header["layout"]))
+    layout = OutputLayout(tuple(_source_from_json(source) for source in header["layout"]))
     symbols = {sympy.Symbol(symbol): (index, dim) for symbol, index, dim in header["symbols"]}
     return ExportedGraph(name, model, noise, outputs, layout, symbols, tuple(header["dropped_inputs"]))
+
+
+def _source_to_json(source: int | PassedInput | sympy.Expr | None) -> int | str | dict[str, int] | None:
+    return {"input": source.index} if isinstance(source, PassedInput) else _size_to_json(source)
+
+
+def _source_from_json(value: int | str | dict[str, int] | None) -> Any:
+    return PassedInput(value["input"]) if isinstance(value, dict) else _size_from_json(value)
 
 
 def _size_to_json(size: Size | None) -> int | str | None:

@@ -59,15 +59,31 @@ Symbols: TypeAlias = dict[sympy.Symbol, tuple[int, int]]
 
 
 @dataclass(frozen=True)
+class PassedInput:
+    """An FX output that is one of the graph's inputs, returned as is (ONNX Runtime would copy it)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
 class OutputLayout:
-    """Where each FX output comes from: an ONNX output index, ``None`` for a ``None`` output, or a size
-    expression for an integer output (dynamic-shape forward graphs return sizes the backward graph needs)."""
+    """Where each FX output comes from: an ONNX output index, ``None`` for a ``None`` output, an input passed
+    through (forward graphs return parameters the backward graph needs), or a size expression for an integer
+    output (dynamic-shape forward graphs return sizes the backward graph needs)."""
 
-    sources: tuple[int | sympy.Expr | None, ...]
+    sources: tuple[int | PassedInput | sympy.Expr | None, ...]
 
-    def place(self, onnx_outputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]) -> list[Any]:
+    def place(
+        self, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
+    ) -> list[Any]:
         return [
-            None if source is None else onnx_outputs[source] if isinstance(source, int) else evaluate(source, env)
+            None
+            if source is None
+            else onnx_outputs[source]
+            if isinstance(source, int)
+            else inputs[source.index]
+            if isinstance(source, PassedInput)
+            else evaluate(source, env)
             for source in self.sources
         ]
 
@@ -314,8 +330,10 @@ def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[Out
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = output_node.args[0]
     values = list(values) if isinstance(values, (list, tuple)) else [values]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    computed = [v for v in values if isinstance(v, torch.fx.Node) and v.op != "placeholder"]
     unique: list[torch.fx.Node] = []
-    sources: list[int | sympy.Expr | None] = []
+    sources: list[int | PassedInput | sympy.Expr | None] = []
     for value in values:
         if value is None:
             sources.append(None)
@@ -329,6 +347,9 @@ def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[Out
             )
         if isinstance(value.meta.get("val"), torch.SymInt):
             sources.append(sympy.sympify(symbolic_size(value.meta["val"])))
+            continue
+        if value.op == "placeholder" and computed:
+            sources.append(PassedInput(placeholders.index(value)))
             continue
         if value not in unique:
             unique.append(value)

@@ -161,7 +161,7 @@ class GraphSession:
                 "DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) and report the saved model."
             ) from err
         self.runs += 1
-        return graph.layout.place(outputs, env)
+        return graph.layout.place(outputs, inputs, env)
 
 
 # "Could not find an implementation for MatMul(13) node with name 'node_mm'" (no kernel) and

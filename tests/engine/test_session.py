@@ -9,6 +9,7 @@ import torch
 
 import lightning_ort.engine.session as session_module
 from lightning_ort import ORTModule, SessionSettings
+from lightning_ort.engine.export import PassedInput
 from tests.zoo import MLP
 
 
@@ -61,3 +62,13 @@ def test_bad_session_settings_fail_with_allowed_values() -> None:
         SessionSettings(optimization_level="max")
     with pytest.raises(ValueError, match="not available in this onnxruntime build"):
         SessionSettings(providers=("NoSuchExecutionProvider",))
+
+
+def test_inputs_returned_by_a_graph_are_passed_through_without_a_copy() -> None:
+    # The forward graph returns parameters the backward graph needs; ONNX Runtime would copy them (Identity).
+    wrapped = ORTModule(torch.nn.Linear(16, 16))
+    wrapped(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    forward = next(runner for kind, runner in wrapped._cache.runners() if kind == "forward")
+    passed = [s for s in forward._graph.layout.sources if isinstance(s, PassedInput)]
+    assert passed, "the saved input should be returned as is"
+    assert len(forward._graph.model.graph.output) == len(forward._graph.outputs)
