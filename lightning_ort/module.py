@@ -90,7 +90,7 @@ class ORTModule(nn.Module):
                 "use DistributedDataParallel(ORTModule(model)). DataParallel is not supported."
             )
         fallback = parse_fallback(fallback)
-        if dynamic not in (None, True, False) or not isinstance(dynamic, (bool, type(None))):
+        if not isinstance(dynamic, (bool, type(None))):
             raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
         super().__init__()
         debug = debug_options if debug_options is not None else DebugOptions()

@@ -126,15 +126,23 @@ class DebugOptions:
 
 def ensure_writable_dir(path: Path, argument: str) -> None:
     """Create ``path`` if needed and prove it is writable, or raise naming ``argument``."""
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise ValueError(
+            f"{argument}={str(path)!r} cannot be written ({reason}); "
+            f"pass a writable folder as {argument} or set save_onnx=False."
+        )
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why ``path`` cannot serve as an output folder (it is created if missing), or ``None`` if it can."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".lightning_ort_write_check"):
             pass
     except OSError as err:
-        raise ValueError(
-            f"{argument}={str(path)!r} cannot be written ({err.strerror or err}); "
-            f"pass a writable folder as {argument} or set save_onnx=False."
-        ) from err
+        return str(err.strerror or err)
+    return None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_ort.engine.decompositions import attention, capture_decompositions, multihead_attention
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
-from lightning_ort.engine.export import ExportError, export_graph
+from lightning_ort.engine.export import ExportedGraph, ExportError, export_graph
 from lightning_ort.engine.partition import (
     PartitionCall,
     PartitionedGraph,
@@ -127,7 +127,7 @@ class CapturedGraphs:
         self._options = options
         self._log = build_log
         self._rebuild_output: Callable[[Sequence[torch.Tensor]], Any] | None = None
-        self._eager_reason: str | None = None
+        self._runs_eagerly = False
         self._compile_seconds = 0.0
         self._dynamic_dims = dynamic_dims
         self._guards: ShapeGuards | None = None
@@ -155,7 +155,7 @@ class CapturedGraphs:
 
     def __call__(self, state: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> Any:
         """Run the graphs on the current ``state`` (parameters, buffers) and input ``tensors``."""
-        if self._eager_reason is not None:
+        if self._runs_eagerly:
             return self._run_eager(tensors)
         if self._dynamic_dims:
             # Contiguous inputs have strides that are functions of their sizes; a non-contiguous one would add
@@ -208,7 +208,7 @@ class CapturedGraphs:
                 "represent it. Express the branch with tensor ops (torch.where, masking), move it outside the "
                 "wrapped module, or pass fallback='auto' to run such calls in PyTorch."
             ) from err
-        self._eager_reason = where
+        self._runs_eagerly = True
         self._log.eager_signatures += 1
         warnings.warn(
             f"lightning_ort: {owner} runs in PyTorch for this input signature: its forward reads tensor values at "
@@ -242,13 +242,13 @@ class CapturedGraphs:
         return compile_graph
 
     def _build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphRunner:
-        cached = self._load(gm, example_inputs, name)
-        if cached is not None:
-            return cached
+        key, graph = self._cached(gm, example_inputs, name)
+        if graph is not None:
+            return self._open(graph)
         unsupported = unsupported_nodes(gm, self._device)
         if not unsupported:
             try:
-                return self._session(gm, example_inputs, name)
+                return self._open(self._export(gm, example_inputs, name, key))
             except (ExportError, SessionError) as err:
                 if self._options.fallback == "raise" or not err.nodes:
                     raise
@@ -292,32 +292,36 @@ class CapturedGraphs:
             )
             return PartitionedGraph(split, name, sessions, len(unsupported))
 
-    def _load(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession | None:
-        """A session on ``gm``'s graph saved in the disk cache, or ``None`` if there is none."""
+    def _session(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession:
+        """A session on ``gm``: loaded from the disk cache, or exported (and saved there)."""
+        key, graph = self._cached(gm, example_inputs, name)
+        return self._open(graph if graph is not None else self._export(gm, example_inputs, name, key))
+
+    def _cached(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str
+    ) -> tuple[str | None, ExportedGraph | None]:
+        """``gm``'s disk cache key (``None`` without a usable cache) and its saved graph, if there is one."""
         disk = self._options.disk_cache
         if disk is None or not disk.enabled:
-            return None
-        graph = disk.load(self._disk_key(disk, gm, example_inputs), name)
-        if graph is None:
-            return None
-        self._log.disk_cache_loads += 1
-        return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+            return None, None
+        key = disk.key(gm, example_inputs, self._device, provider_names(self._device, self._options.settings))
+        graph = disk.load(key, name)
+        if graph is not None:
+            self._log.disk_cache_loads += 1
+        return key, graph
 
-    def _session(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession:
-        """Export ``gm`` (or load it from the disk cache), save it there, and open a session on it."""
-        cached = self._load(gm, example_inputs, name)
-        if cached is not None:
-            return cached
-        verbose = self._options.debug.log_level.ort_severity == 0
-        graph = export_graph(gm, example_inputs, name, verbose=verbose)
+    def _export(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, key: str | None
+    ) -> ExportedGraph:
+        """Export ``gm``; save it in the disk cache under ``key`` when there is one."""
+        graph = export_graph(gm, example_inputs, name, verbose=self._options.debug.log_level.ort_severity == 0)
         self._log.onnx_exports += 1
-        disk = self._options.disk_cache
-        if disk is not None and disk.enabled:
-            disk.store(self._disk_key(disk, gm, example_inputs), graph)
-        return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+        if key is not None and self._options.disk_cache is not None:
+            self._options.disk_cache.store(key, graph)
+        return graph
 
-    def _disk_key(self, disk: DiskCache, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-        return disk.key(gm, example_inputs, self._device, provider_names(self._device, self._options.settings))
+    def _open(self, graph: ExportedGraph) -> GraphSession:
+        return GraphSession(graph, self._device, self._options.settings, self._options.debug)
 
 
 class CaptureError(RuntimeError):

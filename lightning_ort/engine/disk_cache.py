@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec, PassedInput, Size
+from lightning_ort.options import unwritable_reason
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,9 @@ class DiskCache:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self._directory = Path(directory)
         self._enabled = True
-        try:
-            self._directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self._directory, prefix=".write_check"):
-                pass
-        except OSError as err:
-            self._disable(f"cache_dir={str(self._directory)!r} cannot be written ({err.strerror or err})")
+        reason = unwritable_reason(self._directory)
+        if reason is not None:
+            self._disable(f"cache_dir={str(self._directory)!r} cannot be written ({reason})")
 
     @property
     def directory(self) -> Path:

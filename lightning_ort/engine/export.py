@@ -191,27 +191,31 @@ def export_graph(
         len(inputs),
         len(outputs),
     )
+    return ExportedGraph(name, model, noise, outputs, layout, _size_symbols(tensor_inputs), dropped)
+
+
+def _size_symbols(values: Sequence[Any]) -> Symbols:
+    """Where each size symbol of ``values`` can be read: its first ``(value index, dimension)``."""
     symbols: Symbols = {}
-    for index, value in enumerate(tensor_inputs):
-        for dim, size in enumerate(value.shape):
+    for index, value in enumerate(values):
+        for dim, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                 symbols.setdefault(size.node.expr, (index, dim))
-    return ExportedGraph(name, model, noise, outputs, layout, symbols, dropped)
+    return symbols
+
+
+def _symbolic_dims(value: torch.Tensor) -> list[int]:
+    return [dim for dim, size in enumerate(value.shape) if not isinstance(symbolic_size(size), int)]
 
 
 def _is_symbolic(value: object) -> bool:
     if isinstance(value, torch.SymInt):
         return not isinstance(symbolic_size(value), int)
-    return isinstance(value, torch.Tensor) and any(not isinstance(symbolic_size(s), int) for s in value.shape)
+    return isinstance(value, torch.Tensor) and bool(_symbolic_dims(value))
 
 
 def _dynamic_dims(value: torch.Tensor) -> dict[int, Any] | None:
-    dims = {
-        dim: torch.export.Dim.DYNAMIC
-        for dim, size in enumerate(value.shape)
-        if not isinstance(symbolic_size(size), int)
-    }
-    return dims or None
+    return {dim: torch.export.Dim.DYNAMIC for dim in _symbolic_dims(value)} or None
 
 
 def _concrete(value: torch.Tensor) -> torch.Tensor:
@@ -228,12 +232,7 @@ def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
     """
     graph = gm.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
-    sources: dict[sympy.Symbol, tuple[torch.fx.Node, int]] = {}
-    for node, value in zip(placeholders, example_inputs):
-        if isinstance(value, torch.Tensor):
-            for dim, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    sources.setdefault(size.node.expr, (node, dim))
+    sources = {symbol: (placeholders[index], dim) for symbol, (index, dim) in _size_symbols(example_inputs).items()}
     first_op = next(node for node in graph.nodes if node.op != "placeholder")
     built: dict[sympy.Expr, torch.fx.Node | int] = {}
     dropped = []

@@ -38,13 +38,10 @@ def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[st
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if node.target not in covered:
-            reasons[node.name] = NO_TRANSLATION
+            reasons[node.name] = "ONNX has no translation for"
         elif device.type == "cpu" and node.target not in _CASTS and _touches_bfloat16(node):
             reasons[node.name] = "ONNX Runtime's CPUExecutionProvider has no bfloat16 kernel for"
     return reasons
-
-
-NO_TRANSLATION = "ONNX has no translation for"
 
 
 def describe_ops(gm: torch.fx.GraphModule, reasons: dict[str, str]) -> str:
@@ -72,9 +69,7 @@ def _touches_bfloat16(node: torch.fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 for v in flat)
 
 
-_CASTS = frozenset(
-    {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default, torch.ops.aten.clone.default}
-)
+_CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default})
 
 
 def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[torch.fx.GraphModule, list[str]]:

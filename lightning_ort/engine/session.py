@@ -73,7 +73,11 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
 
 def provider_names(device: torch.device, settings: SessionSettings) -> list[str]:
     """Names of the execution providers :func:`providers_for` picks, without their options."""
-    return [p if isinstance(p, str) else p[0] for p in providers_for(device, settings)]
+    return _names(providers_for(device, settings))
+
+
+def _names(providers: list[str | tuple[str, dict[str, str]]]) -> list[str]:
+    return [p if isinstance(p, str) else p[0] for p in providers]
 
 
 class GraphSession:
@@ -110,9 +114,8 @@ class GraphSession:
                 disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
             )
         except Exception as err:
-            names = [p if isinstance(p, str) else p[0] for p in providers]
             raise SessionError(
-                f"ONNX Runtime could not load the {graph.name} graph with providers {names}: {err}\n"
+                f"ONNX Runtime could not load the {graph.name} graph with providers {_names(providers)}: {err}\n"
                 "If it names an op without an implementation, that op/dtype has no kernel on this provider "
                 "(e.g. float64 Erf on CPU): use float32, another provider, keep that submodule out of ORTModule, "
                 "or pass fallback='auto' to run such ops in PyTorch.",
