@@ -114,6 +114,7 @@ class DiskCache:
         if not self._enabled:
             return
         path = self._path(key)
+        temporary = None
         try:
             handle, temporary = tempfile.mkstemp(dir=self._directory, prefix=f".{key[:16]}", suffix=".tmp")
             with os.fdopen(handle, "wb") as file:
@@ -121,6 +122,8 @@ class DiskCache:
             os.chmod(temporary, 0o644)
             os.replace(temporary, path)
         except OSError as err:
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
             self._disable(f"cannot write {path} ({err.strerror or err})")
             return
         log.info("saved the %s graph to %s", graph.name, path)

@@ -107,3 +107,17 @@ def test_unwritable_cache_dir_warns_and_training_continues(tmp_path: Path) -> No
         model = ORTModule(MLP(), cache_dir=blocker / "graphs")
     model(torch.randn(2, 16)).sum().backward()
     assert model.statistics.onnx_exports == 2 and model.statistics.backward_runs == 1
+
+
+def test_failed_write_leaves_no_temporary_file_and_training_continues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(source: str, destination: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    model = ORTModule(MLP(), cache_dir=tmp_path)
+    with pytest.warns(DiskCacheWarning, match=r"cannot write .*No space left on device.*continuing without"):
+        model(torch.randn(2, 16)).sum().backward()
+    assert model.statistics.backward_runs == 1
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
