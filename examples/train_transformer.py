@@ -65,7 +65,7 @@ def main() -> None:
     print(f"eval next-token accuracy: {accuracy:.2%}")
     print(f"providers: {model.providers}")
     print(
-        f"graph building: {stats.export_seconds:.2f} s, cache hits {stats.cache_hits}, misses {stats.cache_misses}, "
+        f"graph building: {stats.build_seconds:.2f} s, cache hits {stats.cache_hits}, misses {stats.cache_misses}, "
         f"graphs {stats.cached_graphs}, ORT runs: forward {stats.forward_runs}, backward {stats.backward_runs}"
     )
 
