@@ -4,8 +4,9 @@ Core ATen decompositions, plus:
 
 * training-mode batch norm as plain reductions: ONNX Runtime's inference build only has
   ``BatchNormalization`` with running statistics;
-* ``aten.convolution_backward`` (no ONNX translation) as a transposed convolution for the input gradient,
-  a convolution for the weight gradient and a sum for the bias gradient;
+* ``aten.convolution_backward`` (no ONNX translation) as a convolution with the flipped kernel (stride 1) or a
+  transposed convolution for the input gradient, an im2col matrix product for the weight gradient and a sum
+  for the bias gradient;
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all.
@@ -16,7 +17,6 @@ kernels' backward ops have no ONNX translation; see :mod:`lightning_ort.engine.c
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,18 +55,45 @@ def convolution_backward(
     spatial = len(stride)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        kernel = weight.shape[2:]
-        out_size = grad_output.shape[2:]
-        adjust = [
-            input.shape[2 + i] - ((out_size[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
-            for i in range(spatial)
-        ]
-        grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, True, adjust, groups)
+        grad_input = _input_grad(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[1]:
         grad_weight = _weight_grad(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *range(2, 2 + spatial)])
     return grad_input, grad_weight, grad_bias
+
+
+def _input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> torch.Tensor:
+    """Input gradient: a convolution with the flipped, transposed kernel where the stride is 1, else a transposed one.
+
+    ONNX Runtime's CPU ``Conv`` runs 1.2-1.7x faster than its ``ConvTranspose`` on the benchmark's 3x3 layers
+    (2-core CPU); the two are equal for stride 1 when the transposed padding ``dilation * (kernel - 1) - padding``
+    is not negative.
+    """
+    kernel = weight.shape[2:]
+    spatial = len(kernel)
+    full_padding = [d * (k - 1) - p for k, d, p in zip(kernel, dilation, padding)]
+    if all(s == 1 for s in stride) and all(p >= 0 for p in full_padding):
+        out_channels, in_per_group = weight.shape[0], weight.shape[1]
+        flipped = weight.reshape(groups, out_channels // groups, in_per_group, *kernel).transpose(1, 2)
+        flipped = flipped.reshape(groups * in_per_group, out_channels // groups, *kernel)
+        flipped = flipped.flip(list(range(2, 2 + spatial)))
+        no_adjust = [0] * spatial
+        return aten.convolution(grad_output, flipped, None, stride, full_padding, dilation, False, no_adjust, groups)
+    out_size = grad_output.shape[2:]
+    adjust = [
+        input.shape[2 + i] - ((out_size[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
+        for i in range(spatial)
+    ]
+    return aten.convolution(grad_output, weight, None, stride, padding, dilation, True, adjust, groups)
 
 
 def _weight_grad(
@@ -109,25 +136,22 @@ def _unfolded_weight_grad(
 ) -> torch.Tensor:
     """Weight gradient as one batched matrix product with the unfolded input (im2col).
 
-    Each kernel offset's window of the padded input is a strided slice; stacked, they form the columns
-    ``[batch, in_channels * kernel, out_positions]`` that multiply the output gradient. ONNX Runtime runs this
-    about 1.3-1.5x faster than the equivalent convolution with the batch as channels (measured on the
-    benchmark's CNN layers, 2-core CPU).
+    The columns ``[batch, in_channels * kernel, out_positions]`` are one depthwise convolution of the input with
+    one-hot kernels (one output channel per input channel and kernel offset), which applies the forward
+    padding, stride and dilation in one node; a 1x1 kernel without padding needs only a strided slice. On the
+    benchmark's 3x3 layers ONNX Runtime computes the gradient 1.6-2.6x faster this way than from stacked
+    slices of the padded input (2-core CPU).
     """
     batch, channels = input.shape[0], input.shape[1]
     out_channels, kernel, out = weight.shape[0], weight.shape[2:], grad_output.shape[2:]
-    padded = aten.constant_pad_nd(input, [p for p in reversed(padding) for _ in range(2)])
-    windows = [
-        padded[
-            (
-                slice(None),
-                slice(None),
-                *(slice(k * d, k * d + s * (o - 1) + 1, s) for k, d, s, o in zip(offset, dilation, stride, out)),
-            )
-        ]
-        for offset in itertools.product(*(range(k) for k in kernel))
-    ]
-    columns = torch.stack(windows, 2).reshape(batch, channels * math.prod(kernel), math.prod(out))
+    taps = math.prod(kernel)
+    if taps == 1 and not any(padding):
+        columns = input[(slice(None), slice(None), *(slice(0, s * (o - 1) + 1, s) for s, o in zip(stride, out)))]
+    else:
+        one_hot = torch.eye(taps, dtype=input.dtype, device=input.device).reshape(taps, 1, *kernel)
+        one_hot = one_hot.repeat(channels, *([1] * (1 + len(kernel))))
+        columns = aten.convolution(input, one_hot, None, stride, padding, dilation, False, [0] * len(kernel), channels)
+    columns = columns.reshape(batch, channels * taps, math.prod(out))
     grad = grad_output.reshape(batch, out_channels, math.prod(out))
     # columns @ grad^T transposes the smaller operand (the output gradient, not the kernel-times-larger columns).
     return (columns @ grad.transpose(1, 2)).sum(0).t().reshape(out_channels, channels, *kernel)

@@ -11,21 +11,27 @@ aten = torch.ops.aten
 
 
 @pytest.mark.parametrize(
-    ("dims", "stride", "padding", "dilation", "groups"),
+    ("dims", "kernel", "stride", "padding", "dilation", "groups"),
     [
-        (1, 1, 0, 1, 1),
-        (1, 2, 1, 1, 2),
-        (2, 1, 1, 1, 1),
-        (2, 2, 1, 2, 1),
-        (2, 3, 2, 1, 4),
-        (2, 1, 1, 1, 8),
-        (3, 2, 1, 1, 2),
+        (1, 3, 1, 0, 1, 1),
+        (1, 3, 2, 1, 1, 2),
+        (2, 3, 1, 1, 1, 1),
+        (2, 3, 1, 3, 1, 1),
+        (2, 3, 1, 2, 2, 2),
+        (2, 3, 2, 1, 2, 1),
+        (2, 3, 3, 2, 1, 4),
+        (2, 3, 1, 1, 1, 8),
+        (2, 1, 2, 0, 1, 1),
+        (2, 1, 1, 1, 1, 1),
+        (3, 3, 2, 1, 1, 2),
+        (3, 3, 1, 1, 1, 1),
     ],
 )
-def test_matches_aten(dims: int, stride: int, padding: int, dilation: int, groups: int) -> None:
+def test_matches_aten(dims: int, kernel: int, stride: int, padding: int, dilation: int, groups: int) -> None:
+    """Covers both input-gradient forms (flipped convolution, transposed convolution) and all im2col forms."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 8, *([9] * dims), generator=g, dtype=torch.float64)
-    w = torch.randn(16, 8 // groups, *([3] * dims), generator=g, dtype=torch.float64)
+    w = torch.randn(16, 8 // groups, *([kernel] * dims), generator=g, dtype=torch.float64)
     args = ([stride] * dims, [padding] * dims, [dilation] * dims, False, [0] * dims, groups)
     y = aten.convolution(x, w, None, *args)
     gy = torch.randn(y.shape, generator=g, dtype=torch.float64)
