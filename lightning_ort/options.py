@@ -155,9 +155,12 @@ class SessionSettings:
         optimization_level: ONNX Runtime graph optimization level: ``"disable"``, ``"basic"``, ``"extended"``
             or ``"all"``.
         intra_op_num_threads: threads for one operator; ``0`` lets ONNX Runtime decide.
-        allow_spinning: let ONNX Runtime's idle worker threads busy-wait for the next run. Off by default: in
-            training, PyTorch (optimizer, loss, autograd) runs between ONNX Runtime calls, and spinning threads
-            steal its cores (measured: a CPU training step took 2.8x longer with spinning on).
+        allow_spinning: let ONNX Runtime's worker threads busy-wait between the parallel sections of one run
+            instead of sleeping. On by default: waking sleeping threads for each of an operator's many small
+            parallel sections cost more than it saved (a 3x3 convolution ran slower on two threads than on one).
+            Spinning always stops when a run returns (``session.force_spinning_stop``): PyTorch runs the loss,
+            autograd and the optimizer between ONNX Runtime calls, and threads still spinning then would take
+            its cores (a CPU training step took 2.8x longer).
 
     Example:
         >>> SessionSettings(optimization_level="extended").graph_optimization_level.name
@@ -167,7 +170,7 @@ class SessionSettings:
     providers: tuple[str, ...] | None = None
     optimization_level: str = "all"
     intra_op_num_threads: int = 0
-    allow_spinning: bool = False
+    allow_spinning: bool = True
 
     def __post_init__(self) -> None:
         if self.optimization_level not in _OPTIMIZATION_LEVELS:

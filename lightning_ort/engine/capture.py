@@ -314,7 +314,8 @@ class CapturedGraphs:
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, key: str | None
     ) -> ExportedGraph:
         """Export ``gm``; save it in the disk cache under ``key`` when there is one."""
-        graph = export_graph(gm, example_inputs, name, verbose=self._options.debug.log_level.ort_severity == 0)
+        verbose = self._options.debug.log_level.ort_severity == 0
+        graph = export_graph(gm, example_inputs, name, verbose, saved_from=gm.meta.get(_SAVED_FROM))
         self._log.onnx_exports += 1
         if key is not None and self._options.disk_cache is not None:
             self._options.disk_cache.store(key, graph)
@@ -342,7 +343,13 @@ _DATA_DEPENDENT_ERRORS = (
 def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    return min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
+    forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
+    forward.meta[_SAVED_FROM] = kwargs["num_fwd_outputs"]
+    return forward, backward
+
+
+_SAVED_FROM = "lightning_ort_saved_from"
+"""``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""
 
 
 def _failure_reason(err: ExportError | SessionError) -> str:

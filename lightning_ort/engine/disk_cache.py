@@ -27,7 +27,16 @@ import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, OutputSpec, PassedInput, Size
+from lightning_ort.engine.export import (
+    ExportedGraph,
+    Noise,
+    OutputLayout,
+    OutputSpec,
+    PassedInput,
+    ReshapedOutput,
+    Size,
+    Source,
+)
 from lightning_ort.options import unwritable_reason
 
 log = logging.getLogger(__name__)
@@ -149,7 +158,7 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_FORMAT = "4"
+_FORMAT = "5"
 
 
 def _encode(graph: ExportedGraph) -> bytes:
@@ -185,11 +194,17 @@ def _decode(data: bytes, name: str) -> ExportedGraph:
     return ExportedGraph(name, model, noise, outputs, layout, symbols, tuple(header["dropped_inputs"]))
 
 
-def _source_to_json(source: int | PassedInput | sympy.Expr | None) -> int | str | dict[str, int] | None:
-    return {"input": source.index} if isinstance(source, PassedInput) else _size_to_json(source)
+def _source_to_json(source: Source) -> Any:
+    if isinstance(source, PassedInput):
+        return {"input": source.index}
+    if isinstance(source, ReshapedOutput):
+        return {"reshape": _source_to_json(source.base), "shape": _sizes_to_json(source.shape)}
+    return _size_to_json(source)
 
 
-def _source_from_json(value: int | str | dict[str, int] | None) -> Any:
+def _source_from_json(value: Any) -> Any:
+    if isinstance(value, dict) and "reshape" in value:
+        return ReshapedOutput(_source_from_json(value["reshape"]), _sizes_from_json(value["shape"]))
     return PassedInput(value["input"]) if isinstance(value, dict) else _size_from_json(value)
 
 

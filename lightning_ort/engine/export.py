@@ -2,10 +2,12 @@
 
 Three steps, in :func:`export_graph`:
 
-1. :func:`_normalise_outputs` keeps only tensor outputs, once each (ONNX drops ``None`` gradients and
-   needs unique output names); :class:`OutputLayout` maps them back to the FX graph's output positions.
-2. :func:`_lift_random_ops` replaces random ops (``rand_like``, ``bernoulli``...) by extra graph inputs, so the
+1. :func:`_lift_random_ops` replaces random ops (``rand_like``, ``bernoulli``...) by extra graph inputs, so the
    noise comes from PyTorch's generator: ``torch.manual_seed`` keeps governing reproducibility.
+2. :func:`_normalise_outputs` keeps only tensor outputs, once each (ONNX drops ``None`` gradients and
+   needs unique output names); :class:`OutputLayout` maps them back to the FX graph's output positions.
+   Outputs ONNX Runtime would only copy are produced in PyTorch instead: inputs returned as they are
+   (parameters, dropout masks saved for backward) and reshapes of saved tensors, replayed as views.
 3. ``torch.onnx.export(..., dynamo=True)`` translates the graph; a failure names the op and the module.
 """
 
@@ -66,23 +68,40 @@ class PassedInput:
 
 
 @dataclass(frozen=True)
+class ReshapedOutput:
+    """A saved tensor that is a reshape of an ONNX output or a passed-through input, replayed as a view.
+
+    ONNX Runtime's ``Reshape`` cannot alias a graph output, so returning the reshape copies the tensor.
+    """
+
+    base: int | PassedInput
+    shape: tuple[Size, ...]
+
+
+Source: TypeAlias = int | PassedInput | ReshapedOutput | sympy.Expr | None
+
+
+@dataclass(frozen=True)
 class OutputLayout:
     """Where each FX output comes from: an ONNX output index, ``None`` for a ``None`` output, an input passed
-    through (forward graphs return parameters the backward graph needs), or a size expression for an integer
-    output (dynamic-shape forward graphs return sizes the backward graph needs)."""
+    through (forward graphs return parameters the backward graph needs), a reshape of either, or a size
+    expression for an integer output (dynamic-shape forward graphs return sizes the backward graph needs)."""
 
-    sources: tuple[int | PassedInput | sympy.Expr | None, ...]
+    sources: tuple[Source, ...]
 
     def place(
         self, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
     ) -> list[Any]:
+        def tensor(source: int | PassedInput) -> torch.Tensor:
+            return onnx_outputs[source] if isinstance(source, int) else inputs[source.index]
+
         return [
             None
             if source is None
-            else onnx_outputs[source]
-            if isinstance(source, int)
-            else inputs[source.index]
-            if isinstance(source, PassedInput)
+            else tensor(source)
+            if isinstance(source, (int, PassedInput))
+            else tensor(source.base).view(tuple(evaluate(size, env) for size in source.shape))
+            if isinstance(source, ReshapedOutput)
             else evaluate(source, env)
             for source in self.sources
         ]
@@ -142,7 +161,11 @@ class ExportedGraph:
 
 
 def export_graph(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str, verbose: bool
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    name: str,
+    verbose: bool,
+    saved_from: int | None = None,
 ) -> ExportedGraph:
     """Export ``gm`` (an ATen-level FX graph with static shapes) to ONNX.
 
@@ -151,15 +174,17 @@ def export_graph(
         example_inputs: one (fake or real) tensor per placeholder.
         name: graph name used in messages and file names (``"forward"``, ``"backward"``...).
         verbose: let ``torch.onnx`` print its progress.
+        saved_from: index of the first output that only the backward graph reads (a forward graph's saved
+            tensors); those may be returned as views. ``None``: every output reaches the user.
     """
     gm = copy_graph_module(gm)
     symbolic = any(_is_symbolic(value) for value in example_inputs)
     dropped = _inline_size_inputs(gm, example_inputs) if symbolic else ()
     tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
-    layout, outputs = _normalise_outputs(gm)
     fake_mode = detect_fake_mode(example_inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         noise, noise_examples = _lift_random_ops(gm)
+    layout, outputs = _normalise_outputs(gm, saved_from)
     gm.recompile()
     inputs: tuple[Any, ...] = (*tensor_inputs, *noise_examples)
     dynamic_shapes = None
@@ -325,14 +350,23 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
     log.info("saved ONNX model to %s", path)
 
 
-def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[OutputSpec]]:
+def _normalise_outputs(gm: torch.fx.GraphModule, saved_from: int | None) -> tuple[OutputLayout, list[OutputSpec]]:
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = output_node.args[0]
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     computed = [v for v in values if isinstance(v, torch.fx.Node) and v.op != "placeholder"]
+    user_visible = set(values[:saved_from] if saved_from is not None else values)
     unique: list[torch.fx.Node] = []
-    sources: list[int | PassedInput | sympy.Expr | None] = []
+
+    def tensor_source(node: torch.fx.Node) -> int | PassedInput:
+        if node.op == "placeholder" and computed:
+            return PassedInput(placeholders.index(node))
+        if node not in unique:
+            unique.append(node)
+        return unique.index(node)
+
+    sources: list[Source] = []
     for value in values:
         if value is None:
             sources.append(None)
@@ -347,15 +381,29 @@ def _normalise_outputs(gm: torch.fx.GraphModule) -> tuple[OutputLayout, list[Out
         if isinstance(value.meta.get("val"), torch.SymInt):
             sources.append(sympy.sympify(symbolic_size(value.meta["val"])))
             continue
-        if value.op == "placeholder" and computed:
-            sources.append(PassedInput(placeholders.index(value)))
+        base = _reshape_base(value)
+        if value not in user_visible and base is not None and base not in user_visible:
+            sources.append(ReshapedOutput(tensor_source(base), _sizes(value.meta["val"].shape)))
             continue
-        if value not in unique:
-            unique.append(value)
-        sources.append(unique.index(value))
+        sources.append(tensor_source(value))
     output_node.args = (tuple(unique),)
+    gm.graph.eliminate_dead_code()
     specs = [OutputSpec(tuple(symbolic_size(s) for s in n.meta["val"].shape), n.meta["val"].dtype) for n in unique]
     return OutputLayout(tuple(sources)), specs
+
+
+def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor that ``node`` reshapes (through a chain of reshapes), or ``None`` if it is no reshape.
+
+    ONNX outputs and the inputs bound to ONNX Runtime are contiguous, so a view of the base always exists.
+    """
+    base = node
+    while base.op == "call_function" and base.target in _RESHAPES and isinstance(base.args[0], torch.fx.Node):
+        base = base.args[0]
+    return None if base is node else base
+
+
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 
 
 def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.Tensor]]:

@@ -6,6 +6,8 @@ each rewrite sees a gradient together with the forward op it belongs to.
 * :func:`stack_select_gradients`: unpacking a tensor along a dimension (``q, k, v = proj``, ``unbind``)
   has, as gradient, one ``select_backward`` per piece (each a zero tensor of the full size with one slice
   filled in) summed together. Stacking the pieces' gradients builds the same tensor in one write.
+* :func:`cancel_permutes`: a ``Linear``'s backward transposes the already transposed weight back
+  (``t(t(W))``); saved for the backward graph, that identity permutation is a full copy of the weight.
 """
 
 from __future__ import annotations
@@ -25,10 +27,50 @@ aten = torch.ops.aten
 def optimize_joint_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Apply every rewrite to ``gm`` in place and return it."""
     stacked = stack_select_gradients(gm)
-    if stacked:
-        log.debug("stacked %d sums of select_backward", stacked)
+    cancelled = cancel_permutes(gm)
+    if stacked or cancelled:
+        log.debug("stacked %d sums of select_backward, cancelled %d permutations", stacked, cancelled)
         gm.recompile()
     return gm
+
+
+def cancel_permutes(gm: torch.fx.GraphModule) -> int:
+    """Replace permutations of permutations that restore the original order by the original tensor.
+
+    Returns the number of permutations removed.
+
+    Example:
+        >>> graph = torch.fx.Graph()
+        >>> w = graph.placeholder("w")
+        >>> t = graph.call_function(aten.permute.default, (w, [1, 0]))
+        >>> tt = graph.call_function(aten.permute.default, (t, [1, 0]))
+        >>> _ = graph.output((t, tt))
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        >>> cancel_permutes(gm)
+        1
+        >>> [str(arg) for arg in gm.graph.output_node().args[0]]
+        ['permute_default', 'w']
+    """
+    cancelled = 0
+    for node in list(gm.graph.nodes):
+        inner = node.args[0] if node.op == "call_function" and node.target is aten.permute.default else None
+        if not isinstance(inner, torch.fx.Node) or inner.target is not aten.permute.default:
+            continue
+        outer_dims, inner_dims = _dims(node.args[1]), _dims(inner.args[1])
+        rank = len(outer_dims)
+        if [inner_dims[d % rank] % rank for d in outer_dims] != list(range(rank)):
+            continue
+        node.replace_all_uses_with(inner.args[0])
+        gm.graph.erase_node(node)
+        if not inner.users:
+            gm.graph.erase_node(inner)
+        cancelled += 1
+    return cancelled
+
+
+def _dims(value: object) -> list[int]:
+    assert isinstance(value, (list, tuple)), value
+    return [int(d) for d in value]
 
 
 def stack_select_gradients(gm: torch.fx.GraphModule) -> int:

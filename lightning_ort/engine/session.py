@@ -101,6 +101,7 @@ class GraphSession:
         options.graph_optimization_level = settings.graph_optimization_level
         options.intra_op_num_threads = settings.intra_op_num_threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0")
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         options.log_severity_level = debug.log_level.ort_severity
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))

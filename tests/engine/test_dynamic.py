@@ -134,12 +134,14 @@ def test_automatic_mode_falls_back_to_one_graph_per_shape_when_symbolic_export_f
 ) -> None:
     real_export = capture_module.export_graph
 
-    def no_symbolic_export(gm: torch.fx.GraphModule, example_inputs: Any, name: str, verbose: bool) -> Any:
+    def no_symbolic_export(
+        gm: torch.fx.GraphModule, example_inputs: Any, name: str, verbose: bool, saved_from: int | None = None
+    ) -> Any:
         if any(
             isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape) for v in example_inputs
         ):
             raise ExportError("simulated: this graph cannot be exported with symbolic sizes")
-        return real_export(gm, example_inputs, name, verbose)
+        return real_export(gm, example_inputs, name, verbose, saved_from)
 
     monkeypatch.setattr(capture_module, "export_graph", no_symbolic_export)
     torch.manual_seed(0)

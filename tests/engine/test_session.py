@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 import lightning_ort.engine.session as session_module
 from lightning_ort import ORTModule, SessionSettings
-from lightning_ort.engine.export import PassedInput
+from lightning_ort.engine.dynamic import evaluate
+from lightning_ort.engine.export import Noise, PassedInput, ReshapedOutput
 from tests.zoo import MLP
 
 
@@ -47,14 +49,15 @@ def test_session_settings_reach_the_session() -> None:
     _, session = next(wrapped._cache.runners())
     options = session._session.get_session_options()
     assert options.intra_op_num_threads == 1
-    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
 
 
-def test_spinning_can_be_turned_back_on() -> None:
-    wrapped = ORTModule(MLP(), session_settings=SessionSettings(allow_spinning=True))
+def test_spinning_can_be_turned_off() -> None:
+    wrapped = ORTModule(MLP(), session_settings=SessionSettings(allow_spinning=False))
     wrapped(torch.randn(2, 16))
     _, session = next(wrapped._cache.runners())
-    assert session._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert session._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 def test_bad_session_settings_fail_with_allowed_values() -> None:
@@ -72,3 +75,55 @@ def test_inputs_returned_by_a_graph_are_passed_through_without_a_copy() -> None:
     passed = [s for s in forward._graph.layout.sources if isinstance(s, PassedInput)]
     assert passed, "the saved input should be returned as is"
     assert len(forward._graph.model.graph.output) == len(forward._graph.outputs)
+
+
+class _DropoutBlock(torch.nn.Module):
+    """Linear layers on a 3-d input (reshaped to 2-d inside ``F.linear``'s backward) with dropout between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.drop = torch.nn.Dropout(0.25)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(torch.relu(self.up(x))))
+
+
+class _KeepAll(torch.nn.Module):
+    """Dropout whose mask keeps every element: the eager reference for a drawn all-true mask."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (1 - 0.25)
+
+
+def test_saved_tensors_leave_onnx_runtime_without_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Saved reshapes (Reshape), dropout masks and twice-transposed weights (Identity) would each be a full copy
+    # made by ONNX Runtime; they come out as views of other outputs or as the inputs themselves.
+    def keep_all(noise: Noise, device: torch.device, env: dict[Any, int]) -> torch.Tensor:
+        return torch.ones(tuple(evaluate(size, env) for size in noise.shape), dtype=noise.dtype, device=device)
+
+    monkeypatch.setattr(Noise, "draw", keep_all)
+    torch.manual_seed(0)
+    eager = _DropoutBlock()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    eager.drop = _KeepAll()
+    x = torch.randn(4, 8, 16)
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    forward = next(runner for kind, runner in wrapped._cache.runners() if kind == "forward")
+    graph = forward._graph.model.graph
+    saved = {output.name for output in graph.output[1:]}
+    producers = {node.output[0]: node for node in graph.node}
+    copying = [
+        node.op_type
+        for node in graph.node
+        if node.output[0] in saved
+        and (node.op_type in ("Identity", "Reshape") or producers.get(node.input[0], node).op_type == "Transpose")
+    ]
+    assert not copying, copying
+    sources = forward._graph.layout.sources
+    assert any(isinstance(s, ReshapedOutput) for s in sources), sources
+    assert any(isinstance(s, PassedInput) and s.index >= len(eager.state_dict()) + 1 for s in sources), sources
+    for (name, param), ref in zip(wrapped.module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-5, msg=name)
