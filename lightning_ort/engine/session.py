@@ -7,6 +7,7 @@ current stream, so no synchronisation is needed either).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -80,6 +81,18 @@ def _names(providers: list[str | tuple[str, dict[str, str]]]) -> list[str]:
     return [p if isinstance(p, str) else p[0] for p in providers]
 
 
+@functools.cache
+def _register_shared_cpu_arena() -> None:
+    """Give every CPU session of this process one memory arena (once per process).
+
+    Each session otherwise keeps its own arena at its own peak: the forward and backward graphs' arenas
+    together held 14% of the transformer benchmark's peak memory that one shared arena does not need
+    (824 -> 705 MiB), at the same step time.
+    """
+    cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, -1, -1, -1))
+
+
 class GraphSession:
     """One exported graph in one ``InferenceSession``, called like an AOTAutograd compiled function.
 
@@ -102,6 +115,9 @@ class GraphSession:
         options.intra_op_num_threads = settings.intra_op_num_threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0")
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        if device.type == "cpu":
+            _register_shared_cpu_arena()
+            options.add_session_config_entry("session.use_env_allocators", "1")
         options.log_severity_level = debug.log_level.ort_severity
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))

@@ -51,6 +51,7 @@ def test_session_settings_reach_the_session() -> None:
     assert options.intra_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert options.get_session_config_entry("session.use_env_allocators") == "1", "CPU sessions share one arena"
 
 
 def test_spinning_can_be_turned_off() -> None:
