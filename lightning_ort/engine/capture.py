@@ -42,7 +42,7 @@ from lightning_ort.engine.partition import (
     split_graph,
     unsupported_nodes,
 )
-from lightning_ort.engine.rewrites import optimize_joint_graph
+from lightning_ort.engine.rewrites import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.session import GraphSession, SessionError, provider_names
 from lightning_ort.engine.signature import FlatInputs, FlatOutputs
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings
@@ -344,7 +344,10 @@ def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
-    forward.meta[_SAVED_FROM] = kwargs["num_fwd_outputs"]
+    saved_from = kwargs["num_fwd_outputs"]
+    moved = move_saved_permutes(forward, backward, saved_from)
+    log.debug("%d saved permuted views moved to the backward graph", moved)
+    forward.meta[_SAVED_FROM] = saved_from
     return forward, backward
 
 

@@ -8,6 +8,8 @@ each rewrite sees a gradient together with the forward op it belongs to.
   filled in) summed together. Stacking the pieces' gradients builds the same tensor in one write.
 * :func:`cancel_permutes`: a ``Linear``'s backward transposes the already transposed weight back
   (``t(t(W))``); saved for the backward graph, that identity permutation is a full copy of the weight.
+
+:func:`move_saved_permutes` runs after partitioning, on the forward and backward graphs together.
 """
 
 from __future__ import annotations
@@ -178,3 +180,75 @@ def _stacked_value(values: list[torch.Tensor], dim: int) -> torch.Tensor:
         return torch.stack(values, dim)
     with fake_mode:
         return torch.stack(values, dim)
+
+
+def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, saved_from: int) -> int:
+    """Save the tensor under a permuted view for the backward graph, and permute it there instead.
+
+    A view costs nothing in PyTorch, so AOTAutograd saves transposed views (attention's ``q``, ``k`` and
+    probabilities, reshaped for batched products); ONNX Runtime writes each as a transposed copy. Permuted in
+    the backward graph, the transpose folds into the product that reads it (``FusedMatMul(transB=1)``, see
+    :mod:`lightning_ort.engine.onnx_rewrites`) or stays one copy, made when it is needed.
+
+    Only chains of ``permute``/``view`` with constant arguments are moved. The forward graph keeps its number
+    of outputs (AOTAutograd counts them); a moved output's backward placeholder receives the base tensor.
+    Returns the number of saved tensors moved.
+    """
+    returned = forward.graph.output_node().args[0]
+    assert isinstance(returned, (list, tuple)), returned
+    outputs = list(returned)
+    placeholders = {node.name: node for node in backward.graph.nodes if node.op == "placeholder"}
+    first_computation = next(node for node in backward.graph.nodes if node.op != "placeholder")
+    moved = 0
+    for index in range(saved_from, len(outputs)):
+        value = outputs[index]
+        chain = _permuting_view_chain(value) if isinstance(value, torch.fx.Node) else []
+        placeholder = placeholders.get(value.name) if chain else None
+        base = chain[0].args[0] if chain else None
+        if placeholder is None or not isinstance(base, torch.fx.Node):
+            continue
+        outputs[index] = base
+        replayed: list[torch.fx.Node] = []
+        with backward.graph.inserting_before(first_computation):
+            for node in chain:
+                source = replayed[-1] if replayed else placeholder
+                replayed.append(backward.graph.call_function(node.target, (source, *node.args[1:]), dict(node.kwargs)))  # type: ignore[arg-type]
+                replayed[-1].meta["val"] = node.meta["val"]
+        placeholder.replace_all_uses_with(
+            replayed[-1], delete_user_cb=lambda user, first=replayed[0]: user is not first
+        )
+        placeholder.meta["val"] = base.meta["val"]
+        moved += 1
+    if moved:
+        forward.graph.output_node().args = (tuple(outputs),)
+        forward.graph.eliminate_dead_code()
+        forward.recompile()
+        backward.recompile()
+    return moved
+
+
+def _permuting_view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The views (base first) that ``node`` is made of, if they include a permutation; else ``[]``."""
+    chain: list[torch.fx.Node] = []
+    while (
+        node.op == "call_function"
+        and node.target in _VIEWS
+        and isinstance(node.args[0], torch.fx.Node)
+        and not _reads_nodes(node.args[1:])
+    ):
+        chain.append(node)
+        node = node.args[0]
+    if not any(link.target in _PERMUTES for link in chain):
+        return []
+    return chain[::-1]
+
+
+def _reads_nodes(args: tuple[object, ...]) -> bool:
+    """Whether ``args`` contain graph values (symbolic sizes), which the backward graph does not have."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(args, found.append)  # type: ignore[type-var]
+    return bool(found)
+
+
+_PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
+_VIEWS = _PERMUTES | {aten.view.default, aten._unsafe_view.default, aten.reshape.default}

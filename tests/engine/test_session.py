@@ -128,3 +128,22 @@ def test_saved_tensors_leave_onnx_runtime_without_copies(monkeypatch: pytest.Mon
     assert any(isinstance(s, PassedInput) and s.index >= len(eager.state_dict()) + 1 for s in sources), sources
     for (name, param), ref in zip(wrapped.module.named_parameters(), eager.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_permuted_views_are_saved_unpermuted() -> None:
+    # Attention saves q, k and the probabilities as transposed views; ONNX Runtime would write each as a
+    # transposed copy. The forward graph saves the untransposed tensors and the backward graph permutes them.
+    torch.manual_seed(0)
+    eager = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(2, 7, 32)
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    forward = next(runner for kind, runner in wrapped._cache.runners() if kind == "forward")
+    graph = forward._graph.model.graph
+    saved = {output.name for output in graph.output[1:]}
+    consumed = {name for node in graph.node for name in node.input}
+    only_saved = [n.output[0] for n in graph.node if n.op_type == "Transpose" and n.output[0] in saved - consumed]
+    assert not only_saved, only_saved
+    for (name, param), ref in zip(wrapped.module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-5, msg=name)
