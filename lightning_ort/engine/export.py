@@ -33,7 +33,7 @@ from torch._guards import detect_fake_mode, tracing
 from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.dynamic import evaluate, symbolic_size
-from lightning_ort.engine.onnx_rewrites import fuse_transposed_right_operands
+from lightning_ort.engine.onnx_rewrites import fuse_transposed_operands
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def export_graph(
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
-    fused = fuse_transposed_right_operands(model)
+    fused = fuse_transposed_operands(model)
     log.debug(
         "exported %s graph: %d nodes (%d transposed matmul operands fused), %d inputs, %d outputs",
         name,

@@ -1,7 +1,8 @@
-"""ONNX-level rewrites: transposed right MatMul operands fused, transposed left ones left explicit."""
+"""ONNX-level rewrites: transposed right MatMul operands fused, transposed left ones where that pays."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from onnx import TensorProto, helper
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS, fuse_transposed_right_operands
+from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS, fuse_transposed_operands
 
 
 def test_fused_matmul_computes_the_same_product() -> None:
@@ -33,7 +34,7 @@ def test_fused_matmul_computes_the_same_product() -> None:
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-    assert fuse_transposed_right_operands(model) == 1
+    assert fuse_transposed_operands(model) == 1
     assert [n.op_type for n in model.graph.node] == ["FusedMatMul", "Transpose"]  # the other transpose stays
     session = ort.InferenceSession(
         model.SerializeToString(), providers=["CPUExecutionProvider"], disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS)
@@ -45,14 +46,49 @@ def test_fused_matmul_computes_the_same_product() -> None:
 
 
 def test_weight_gradient_keeps_its_transpose_explicit(tmp_path: Path) -> None:
-    # Linear's weight gradient is grad.T @ input, a transposed *left* operand: ONNX Runtime's fused kernel for
-    # that is slower than an explicit Transpose and MatMul, so it must not be fused.
+    # Linear(8, 4)'s weight gradient is grad.T @ input, a transposed *left* operand, with fewer rows (4) than
+    # columns (8): ONNX Runtime's fused kernel for that is slower than an explicit Transpose and MatMul.
     wrapped = ORTModule(torch.nn.Linear(8, 4), DebugOptions(save_onnx=True, save_path=tmp_path))
     wrapped(torch.randn(5, 8)).sum().backward()
     for name in ("backward.onnx", "backward_optimized.onnx"):
         graph = onnx.load(str(tmp_path / name)).graph
         assert not any(_attribute(node, "transA") == 1 for node in graph.node), name
     assert any(node.op_type == "Transpose" for node in onnx.load(str(tmp_path / "backward_optimized.onnx")).graph.node)
+
+
+def test_weight_gradient_with_more_rows_fuses_its_transpose(tmp_path: Path) -> None:
+    # Linear(4, 16): the gradient has more rows (16) than columns (4), where transA measured faster.
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4, 16)
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    x = torch.randn(5, 4)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    graph = onnx.load(str(tmp_path / "backward.onnx")).graph
+    assert any(node.op_type == "FusedMatMul" and _attribute(node, "transA") == 1 for node in graph.node)
+    torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_left_transpose_is_fused() -> None:
+    a, b = np.random.rand(3, 4, 5).astype(np.float32), np.random.rand(3, 4, 6).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["a"], ["at"], perm=[0, 2, 1]), helper.make_node("MatMul", ["at", "b"], ["y"])],
+        "g",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 4, 5]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [3, 4, 6]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5, 6])],
+        value_info=[helper.make_tensor_value_info("at", TensorProto.FLOAT, [3, 5, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert fuse_transposed_operands(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["FusedMatMul"]
+    session = ort.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"], disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS)
+    )
+    (y,) = session.run(None, {"a": a, "b": b})
+    np.testing.assert_allclose(y, a.transpose(0, 2, 1) @ b, rtol=1e-5)
 
 
 def _attribute(node: onnx.NodeProto, name: str) -> int:
