@@ -208,15 +208,10 @@ def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
         if placeholder is None or not isinstance(base, torch.fx.Node):
             continue
         outputs[index] = base
-        replayed: list[torch.fx.Node] = []
-        with backward.graph.inserting_before(first_computation):
-            for node in chain:
-                source = replayed[-1] if replayed else placeholder
-                replayed.append(backward.graph.call_function(node.target, (source, *node.args[1:]), dict(node.kwargs)))  # type: ignore[arg-type]
-                replayed[-1].meta["val"] = node.meta["val"]
-        placeholder.replace_all_uses_with(
-            replayed[-1], delete_user_cb=lambda user, first=replayed[0]: user is not first
-        )
+        users = list(placeholder.users)
+        view = _replay(backward.graph, chain, placeholder, before=first_computation)
+        for user in users:
+            user.replace_input_with(placeholder, view)
         placeholder.meta["val"] = base.meta["val"]
         moved += 1
     if moved:
@@ -225,6 +220,17 @@ def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
         forward.recompile()
         backward.recompile()
     return moved
+
+
+def _replay(
+    graph: torch.fx.Graph, chain: list[torch.fx.Node], source: torch.fx.Node, before: torch.fx.Node
+) -> torch.fx.Node:
+    """Apply the views of ``chain`` (another graph's nodes, base first) to ``source`` in ``graph``."""
+    with graph.inserting_before(before):
+        for node in chain:
+            source = graph.call_function(node.target, (source, *node.args[1:]))  # type: ignore[arg-type]
+            source.meta["val"] = node.meta["val"]
+    return source
 
 
 def _permuting_view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
