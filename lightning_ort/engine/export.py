@@ -92,19 +92,18 @@ class OutputLayout:
     def place(
         self, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
     ) -> list[Any]:
-        def tensor(source: int | PassedInput) -> torch.Tensor:
-            return onnx_outputs[source] if isinstance(source, int) else inputs[source.index]
+        def value(source: Source) -> Any:
+            if source is None:
+                return None
+            if isinstance(source, int):
+                return onnx_outputs[source]
+            if isinstance(source, PassedInput):
+                return inputs[source.index]
+            if isinstance(source, ReshapedOutput):
+                return value(source.base).view(tuple(evaluate(size, env) for size in source.shape))
+            return evaluate(source, env)
 
-        return [
-            None
-            if source is None
-            else tensor(source)
-            if isinstance(source, (int, PassedInput))
-            else tensor(source.base).view(tuple(evaluate(size, env) for size in source.shape))
-            if isinstance(source, ReshapedOutput)
-            else evaluate(source, env)
-            for source in self.sources
-        ]
+        return [value(source) for source in self.sources]
 
 
 @dataclass(frozen=True)

@@ -43,18 +43,19 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
     for node in graph.node:
         if node.op_type == "MatMul" and node.domain == "":
             left, right = (_swapping_transpose(producers.get(name)) for name in node.input[:2])
-            fuse_left = left is not None and _left_fusion_pays(shapes.get(node.input[0]), shapes.get(node.input[1]))
-            if fuse_left or right is not None:
+            if not _left_fusion_pays(shapes.get(node.input[0]), shapes.get(node.input[1])):
+                left = None
+            if left is not None or right is not None:
                 node = helper.make_node(
                     "FusedMatMul",
                     [
-                        left.input[0] if fuse_left and left is not None else node.input[0],
+                        left.input[0] if left is not None else node.input[0],
                         right.input[0] if right is not None else node.input[1],
                     ],
                     list(node.output),
                     node.name,
                     domain=_MICROSOFT,
-                    transA=int(fuse_left),
+                    transA=int(left is not None),
                     transB=int(right is not None),
                 )
                 rewritten += 1

@@ -11,7 +11,7 @@ import torch
 import lightning_ort.engine.session as session_module
 from lightning_ort import ORTModule, SessionSettings
 from lightning_ort.engine.dynamic import evaluate
-from lightning_ort.engine.export import Noise, PassedInput, ReshapedOutput
+from lightning_ort.engine.export import ExportedGraph, Noise, PassedInput, ReshapedOutput
 from tests.zoo import MLP
 
 
@@ -72,10 +72,19 @@ def test_inputs_returned_by_a_graph_are_passed_through_without_a_copy() -> None:
     # The forward graph returns parameters the backward graph needs; ONNX Runtime would copy them (Identity).
     wrapped = ORTModule(torch.nn.Linear(16, 16))
     wrapped(torch.randn(4, 16, requires_grad=True)).sum().backward()
-    forward = next(runner for kind, runner in wrapped._cache.runners() if kind == "forward")
-    passed = [s for s in forward._graph.layout.sources if isinstance(s, PassedInput)]
+    forward = _forward_graph(wrapped)
+    passed = [s for s in forward.layout.sources if isinstance(s, PassedInput)]
     assert passed, "the saved input should be returned as is"
-    assert len(forward._graph.model.graph.output) == len(forward._graph.outputs)
+    assert len(forward.model.graph.output) == len(forward.outputs)
+
+
+def _forward_graph(wrapped: ORTModule) -> ExportedGraph:
+    return next(runner._graph for kind, runner in wrapped._cache.runners() if kind == "forward")
+
+
+def _assert_grads_match(wrapped: ORTModule, eager: torch.nn.Module) -> None:
+    for (name, param), ref in zip(wrapped.module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 class _DropoutBlock(torch.nn.Module):
@@ -112,8 +121,8 @@ def test_saved_tensors_leave_onnx_runtime_without_copies(monkeypatch: pytest.Mon
     x = torch.randn(4, 8, 16)
     wrapped(x).sum().backward()
     eager(x).sum().backward()
-    forward = next(runner for kind, runner in wrapped._cache.runners() if kind == "forward")
-    graph = forward._graph.model.graph
+    forward = _forward_graph(wrapped)
+    graph = forward.model.graph
     saved = {output.name for output in graph.output[1:]}
     producers = {node.output[0]: node for node in graph.node}
     copying = [
@@ -123,11 +132,10 @@ def test_saved_tensors_leave_onnx_runtime_without_copies(monkeypatch: pytest.Mon
         and (node.op_type in ("Identity", "Reshape") or producers.get(node.input[0], node).op_type == "Transpose")
     ]
     assert not copying, copying
-    sources = forward._graph.layout.sources
+    sources = forward.layout.sources
     assert any(isinstance(s, ReshapedOutput) for s in sources), sources
     assert any(isinstance(s, PassedInput) and s.index >= len(eager.state_dict()) + 1 for s in sources), sources
-    for (name, param), ref in zip(wrapped.module.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_grads_match(wrapped, eager)
 
 
 def test_permuted_views_are_saved_unpermuted() -> None:
@@ -139,11 +147,9 @@ def test_permuted_views_are_saved_unpermuted() -> None:
     x = torch.randn(2, 7, 32)
     wrapped(x).sum().backward()
     eager(x).sum().backward()
-    forward = next(runner for kind, runner in wrapped._cache.runners() if kind == "forward")
-    graph = forward._graph.model.graph
+    graph = _forward_graph(wrapped).model.graph
     saved = {output.name for output in graph.output[1:]}
     consumed = {name for node in graph.node for name in node.input}
     only_saved = [n.output[0] for n in graph.node if n.op_type == "Transpose" and n.output[0] in saved - consumed]
     assert not only_saved, only_saved
-    for (name, param), ref in zip(wrapped.module.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(param.grad, ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+    _assert_grads_match(wrapped, eager)
