@@ -161,6 +161,10 @@ class SessionSettings:
             Spinning always stops when a run returns (``session.force_spinning_stop``): PyTorch runs the loss,
             autograd and the optimizer between ONNX Runtime calls, and threads still spinning then would take
             its cores (a CPU training step took 2.8x longer).
+        release_torch_threads: on CPU, make PyTorch's idle OpenMP worker threads stop busy-waiting before each
+            ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads (the benchmark's
+            mlp step: about 10% shorter). PyTorch's next parallel operator starts them again (about 0.3 ms).
+            See :mod:`lightning_ort.engine.openmp`.
 
     Example:
         >>> SessionSettings(optimization_level="extended").graph_optimization_level.name
@@ -171,6 +175,7 @@ class SessionSettings:
     optimization_level: str = "all"
     intra_op_num_threads: int = 0
     allow_spinning: bool = True
+    release_torch_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.optimization_level not in _OPTIMIZATION_LEVELS:

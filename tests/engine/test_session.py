@@ -52,6 +52,7 @@ def test_session_settings_reach_the_session() -> None:
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     assert options.get_session_config_entry("session.force_spinning_stop") == "1"
     assert options.get_session_config_entry("session.use_env_allocators") == "1", "CPU sessions share one arena"
+    assert not options.enable_mem_pattern, "no per-graph memory pattern block beside the shared arena"
 
 
 def test_spinning_can_be_turned_off() -> None:
@@ -59,6 +60,22 @@ def test_spinning_can_be_turned_off() -> None:
     wrapped(torch.randn(2, 16))
     _, session = next(wrapped._cache.runners())
     assert session._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_cpu_runs_release_torch_threads_first(monkeypatch: pytest.MonkeyPatch, release: bool) -> None:
+    events: list[str] = []
+    monkeypatch.setattr(session_module, "release_openmp_threads", lambda: events.append("release") or True)
+    original_run = session_module.ort.InferenceSession.run_with_iobinding
+
+    def recording_run(self: Any, binding: Any, *args: Any) -> None:
+        events.append("run")
+        original_run(self, binding, *args)
+
+    monkeypatch.setattr(session_module.ort.InferenceSession, "run_with_iobinding", recording_run)
+    wrapped = ORTModule(MLP(), session_settings=SessionSettings(release_torch_threads=release))
+    wrapped(torch.randn(2, 16)).sum().backward()
+    assert events == (["release", "run"] * 2 if release else ["run"] * 2)
 
 
 def test_bad_session_settings_fail_with_allowed_values() -> None:
