@@ -31,7 +31,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_ort.engine.decompositions import attention, capture_decompositions, multihead_attention
+from lightning_ort.engine.decompositions import attention, capture_decompositions, dropout, multihead_attention
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
 from lightning_ort.engine.export import ExportedGraph, ExportError, export_graph
@@ -386,6 +386,8 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
       path in plain ops (the fused kernels' backward ops have no ONNX translation), and SDPA called by other
       names takes the math path;
     * the ``nn.TransformerEncoder`` fast path (a fused inference kernel) is off;
+    * ``F.dropout`` (``nn.Dropout`` too) is :func:`~lightning_ort.engine.decompositions.dropout`: a product
+      with a scaled keep mask drawn by one random op, which the export lifts out;
     * batch-first ``nn.MultiheadAttention`` self-attention is computed in its own layout
       (:func:`~lightning_ort.engine.decompositions.multihead_attention`: 2 transposes instead of about 7);
     * ``nn.Transformer``'s check whether a given mask is causal (it compares mask values, which one graph
@@ -422,6 +424,7 @@ def _capture_context(module: torch.nn.Module) -> Iterator[None]:
             unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", attention)
         )
         stack_ctx.enter_context(unittest.mock.patch.object(torch.nn.MultiheadAttention, "forward", multihead_attention))
+        stack_ctx.enter_context(unittest.mock.patch.object(torch.nn.functional, "dropout", dropout))
         yield
 
 

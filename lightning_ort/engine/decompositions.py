@@ -12,7 +12,9 @@ Core ATen decompositions, plus:
   no translation at all.
 
 SDPA is replaced at capture time by :func:`attention`, its math path written with plain ops (the fused
-kernels' backward ops have no ONNX translation; see :mod:`lightning_ort.engine.capture`).
+kernels' backward ops have no ONNX translation; see :mod:`lightning_ort.engine.capture`), and
+``F.dropout`` by :func:`dropout`: the input times a scaled keep mask drawn by one random op,
+:func:`dropout_keep`, which the export lifts out as an input drawn in PyTorch.
 """
 
 from __future__ import annotations
@@ -278,6 +280,51 @@ def attention(
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, dropout_p)
     return weights @ value
+
+
+@torch.library.custom_op("lightning_ort::dropout_keep", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_keep(like: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout's scaled keep mask for ``like``: ``1 / (1 - p)`` with probability ``1 - p``, else 0.
+
+    One random op for the whole mask, so the partitioner saves the mask itself for the backward graph
+    (random ops are never recomputed) and the export lifts it as one input drawn in PyTorch (see
+    :class:`lightning_ort.engine.export.Noise`). With the boolean mask of ``aten.native_dropout``, ONNX Runtime
+    cast it and multiplied by the scale in the forward graph and again in the backward graph: 8.8 ms per
+    dropout of 2M elements, against 2.4 ms for the two products with the scaled mask.
+
+    Example:
+        >>> keep = dropout_keep(torch.empty(10_000), 0.25)
+        >>> sorted(keep.unique().tolist()) == [0.0, 4 / 3], round(float((keep > 0).float().mean()), 1)
+        (True, 0.8)
+    """
+    return (torch.rand_like(like) > p).to(like.dtype) / (1.0 - p)
+
+
+@dropout_keep.register_fake
+def _dropout_keep_fake(like: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+_EAGER_DROPOUT = torch.nn.functional.dropout
+
+
+def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` as ``input * dropout_keep(input, p)``: the same distribution, a cheaper graph.
+
+    The mask's gradient is not needed (it is random), so the backward graph is one product with the saved
+    mask. ``p`` of 0 or 1, or outside training, is left to PyTorch's own ``F.dropout``.
+
+    Example:
+        >>> x = torch.randn(1000, requires_grad=True)
+        >>> y = dropout(x, 0.5)
+        >>> y.sum().backward()
+        >>> torch.equal(x.grad, (y != 0).float() * 2)
+        True
+    """
+    if not training or p <= 0.0 or p >= 1.0:
+        return _EAGER_DROPOUT(input, p, training, inplace)
+    keep = dropout_keep(input.detach(), p)
+    return input.mul_(keep) if inplace else input * keep
 
 
 _MULTIHEAD_FORWARD = torch.nn.MultiheadAttention.forward

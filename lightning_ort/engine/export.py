@@ -32,6 +32,7 @@ import torch.fx
 from torch._guards import detect_fake_mode, tracing
 from torch.utils._sympy.functions import FloorDiv
 
+from lightning_ort.engine.decompositions import dropout_keep
 from lightning_ort.engine.dynamic import evaluate, symbolic_size
 from lightning_ort.engine.onnx_rewrites import fuse_transposed_operands
 
@@ -116,13 +117,17 @@ class OutputSpec:
 class Noise:
     """How to draw one lifted random input before each run (plain data, so a graph can be saved to disk).
 
-    ``kind`` is ``"uniform"`` (``torch.rand``), ``"normal"`` (``torch.randn``) or ``"threshold"``: a boolean
-    mask ``u <compare> threshold`` for ``u`` uniform on [0, 1), drawn from 16 random bits per element (see
-    :func:`_lift_uniform_threshold`).
+    ``kind`` is ``"uniform"`` (``torch.rand``), ``"normal"`` (``torch.randn``) or ``"threshold"``: a mask
+    ``u <compare> threshold`` for ``u`` uniform on [0, 1), drawn from 16 random bits per element (see
+    :func:`_lift_uniform_threshold`); boolean, or of a floating ``dtype`` with ``scale`` where it holds and 0
+    elsewhere (dropout's scaled keep mask, :func:`lightning_ort.engine.decompositions.dropout_keep`).
 
     Example:
         >>> Noise("threshold", (2, 3), torch.bool, compare="gt", threshold=0.5).draw(torch.device("cpu")).dtype
         torch.bool
+        >>> keep = Noise("threshold", (1000,), torch.float32, "gt", 0.5, scale=2.0).draw(torch.device("cpu"))
+        >>> sorted(keep.unique().tolist())
+        [0.0, 2.0]
     """
 
     kind: str
@@ -130,6 +135,7 @@ class Noise:
     dtype: torch.dtype
     compare: str = ""
     threshold: float = 0.0
+    scale: float = 1.0
 
     def draw(self, device: torch.device, env: dict[sympy.Symbol, int] | None = None) -> torch.Tensor:
         """A fresh sample; ``env`` gives the values of symbolic sizes."""
@@ -143,7 +149,8 @@ class Noise:
         numel = math.prod(shape)
         bits = torch.empty(-(-numel // 4), dtype=torch.int64, device=device).random_(-(2**63), None)
         compare = getattr(torch, self.compare)
-        return compare(bits.view(torch.int16)[:numel], self.threshold * 65536.0 - 32768.0).view(shape)
+        mask = compare(bits.view(torch.int16)[:numel], self.threshold * 65536.0 - 32768.0).view(shape)
+        return mask if self.dtype == torch.bool else mask.to(self.dtype).mul_(self.scale)
 
 
 @dataclass
@@ -434,6 +441,11 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.
             graph.erase_node(node)
         elif node.target in (aten.bernoulli.default, aten.bernoulli.p):
             _lift_bernoulli(graph, node, new_input)
+        elif node.target is _DROPOUT_KEEP:
+            p = _scalar(node.args[1])
+            keep = Noise("threshold", _sizes(val.shape), val.dtype, "gt", p, scale=1.0 / (1.0 - p))
+            node.replace_all_uses_with(new_input(keep, val.shape))
+            graph.erase_node(node)
     graph.eliminate_dead_code()
     return noises, examples
 
@@ -494,6 +506,7 @@ _THRESHOLD_OPS: dict[object, str] = {
     aten.le.Scalar: "le",
 }
 _UNIFORM_OPS = {aten.rand.default, aten.rand_like.default}
+_DROPOUT_KEEP = dropout_keep._opoverload
 _NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
 
 _OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_ort.engine.decompositions import capture_decompositions, convolution_backward, multihead_attention
+from lightning_ort import ORTModule
+from lightning_ort.engine.decompositions import (
+    capture_decompositions,
+    convolution_backward,
+    dropout,
+    multihead_attention,
+)
 
 aten = torch.ops.aten
 
@@ -79,3 +85,38 @@ def test_batch_first_self_attention_matches_multihead_attention(masks: str) -> N
     (grads_expected,) = torch.autograd.grad(expected.square().sum(), x)
     (grads_actual,) = torch.autograd.grad(actual.square().sum(), x)
     torch.testing.assert_close(grads_actual, grads_expected, rtol=1e-5, atol=1e-5)
+
+
+class _Doubled(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * 2)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dropout_trains_like_eager_dropout_through_onnx_runtime(inplace: bool) -> None:
+    # The mask is random, so eager's reference is rebuilt from the kept elements: y = 2x * keep / (1 - p) and
+    # dx = 2dy * keep / (1 - p), with about 1 - p of the elements kept.
+    p = 0.3
+    wrapped = ORTModule(_Doubled(torch.nn.Dropout(p, inplace=inplace)))
+    x = torch.randn(64, 256, requires_grad=True)
+    grad = torch.randn(64, 256)
+    y = wrapped(x)
+    y.backward(grad)
+    keep = (y != 0).float()
+    assert 0.65 < float(keep.mean()) < 0.75
+    torch.testing.assert_close(y, 2 * x.detach() * keep / (1 - p))
+    torch.testing.assert_close(x.grad, 2 * grad * keep / (1 - p))
+    ops = {kind: [node.op_type for node in runner._graph.model.graph.node] for kind, runner in wrapped._cache.runners()}
+    assert ops["forward"].count("Mul") == ops["backward"].count("Mul") == 2, ops
+    assert "Cast" not in ops["forward"] + ops["backward"], "the saved mask is already scaled floats"
+
+
+def test_dropout_outside_training_or_at_the_ends_is_pytorchs() -> None:
+    x = torch.randn(8, 8)
+    assert dropout(x, 0.5, training=False) is x
+    assert torch.equal(dropout(x, 0.0), x)
+    assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))

@@ -128,7 +128,8 @@ def test_saved_tensors_leave_onnx_runtime_without_copies(monkeypatch: pytest.Mon
     # Saved reshapes (Reshape), dropout masks and twice-transposed weights (Identity) would each be a full copy
     # made by ONNX Runtime; they come out as views of other outputs or as the inputs themselves.
     def keep_all(noise: Noise, device: torch.device, env: dict[Any, int]) -> torch.Tensor:
-        return torch.ones(tuple(evaluate(size, env) for size in noise.shape), dtype=noise.dtype, device=device)
+        shape = tuple(evaluate(size, env) for size in noise.shape)
+        return torch.full(shape, noise.scale, device=device).to(noise.dtype)  # every element kept
 
     monkeypatch.setattr(Noise, "draw", keep_all)
     torch.manual_seed(0)
