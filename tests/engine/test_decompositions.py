@@ -115,6 +115,16 @@ def test_dropout_trains_like_eager_dropout_through_onnx_runtime(inplace: bool) -
     assert "Cast" not in ops["forward"] + ops["backward"], "the saved mask is already scaled floats"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_16_bit_dropout_scales_in_float32_like_eager(dtype: torch.dtype, inplace: bool) -> None:
+    x = torch.randn(4096).to(dtype)
+    y = dropout(x.clone(), 0.1, inplace=inplace)
+    assert y.dtype == dtype
+    kept = y != 0
+    torch.testing.assert_close(y[kept], (x[kept].float() / 0.9).to(dtype), rtol=0, atol=0)
+
+
 def test_dropout_outside_training_or_at_the_ends_is_pytorchs() -> None:
     x = torch.randn(8, 8)
     assert dropout(x, 0.5, training=False) is x
