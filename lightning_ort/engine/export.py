@@ -34,7 +34,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.decompositions import dropout_keep
 from lightning_ort.engine.dynamic import evaluate, symbolic_size
-from lightning_ort.engine.onnx_rewrites import fuse_transposed_operands
+from lightning_ort.engine.onnx_rewrites import fuse_transposed_operands, split_gemm_bias
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +213,15 @@ def export_graph(
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
+    on_cpu = all(value.device.type == "cpu" for value in tensor_inputs if isinstance(value, torch.Tensor))
+    split = split_gemm_bias(model) if on_cpu else 0  # measured on CPU only
     fused = fuse_transposed_operands(model)
     log.debug(
-        "exported %s graph: %d nodes (%d transposed matmul operands fused), %d inputs, %d outputs",
+        "exported %s graph: %d nodes (%d biases split from Gemm, %d transposed matmul operands fused), "
+        "%d inputs, %d outputs",
         name,
         len(model.graph.node),
+        split,
         fused,
         len(inputs),
         len(outputs),

@@ -1,5 +1,7 @@
 """Rewrites of exported ONNX graphs that pick faster ONNX Runtime kernels.
 
+* :func:`split_gemm_bias` (CPU graphs): a ``Gemm`` with a bias becomes a product and an ``Add`` (ONNX Runtime's
+  CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
   becomes ``com.microsoft.FusedMatMul(A, B, transB=1)``; a transposed *left* operand becomes ``transA=1`` only
   where ONNX Runtime's CPU kernel for it measured faster than transposing explicitly: batched products
@@ -71,11 +73,65 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
     return rewritten
 
 
+def split_gemm_bias(model: onnx.ModelProto) -> int:
+    """Turn ``Gemm(A, B, bias)`` (a Linear layer with bias) into ``MatMul(A, B)`` and ``Add(bias)``, in place.
+
+    ONNX Runtime's CPU ``Gemm`` first broadcasts the bias into its whole output and then accumulates the
+    product onto it; a separate ``Add`` is cheaper (2048x256 by 256x1024 with bias: 3.9 ms as one ``Gemm``,
+    3.6 ms as product and ``Add``; transformer benchmark step about 10 ms shorter, mlp about 4 ms). Run
+    before :func:`fuse_transposed_operands`, which folds the weight's transpose into a ``FusedMatMul`` that
+    ONNX Runtime does not fuse back into a ``Gemm``. Only plain ``Gemm`` nodes are rewritten: ``alpha`` and
+    ``beta`` 1, no ``transA``, a 1-d bias. Returns the number of nodes rewritten.
+
+    Example:
+        >>> gemm = helper.make_node("Gemm", ["a", "w", "b"], ["y"], "node_addmm")
+        >>> bias = helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [4])
+        >>> model = helper.make_model(helper.make_graph([gemm], "g", [bias], []))
+        >>> split_gemm_bias(model), [n.op_type for n in model.graph.node]
+        (1, ['MatMul', 'Add'])
+    """
+    ranks = _ranks(model.graph)
+    rewritten = 0
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+        if (
+            node.op_type != "Gemm"
+            or len(node.input) != 3
+            or ranks.get(node.input[2]) != 1
+            or attributes.get("alpha", 1.0) != 1.0
+            or attributes.get("beta", 1.0) != 1.0
+            or attributes.get("transA", 0)
+        ):
+            nodes.append(node)
+            continue
+        left, right, bias = node.input
+        if attributes.get("transB", 0):
+            right, weight = f"{node.output[0]}_weight_t", right
+            nodes.append(helper.make_node("Transpose", [weight], [right], f"{node.name}_weight_t", perm=[1, 0]))
+        product = f"{node.output[0]}_product"
+        nodes.append(helper.make_node("MatMul", [left, right], [product], node.name))
+        nodes.append(helper.make_node("Add", [product, bias], list(node.output), f"{node.name}_bias"))
+        rewritten += 1
+    if rewritten:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return rewritten
+
+
 def _left_fusion_pays(left: list[int] | None, right: list[int] | None) -> bool:
     """Whether ``transA`` beats an explicit transpose for ``left @ right`` (``left`` as the product reads it)."""
     if left is None or right is None or len(left) < 2 or len(right) < 2:
         return False
     return len(left) > 2 or left[-2] > right[-1]
+
+
+def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
+    ranks = {init.name: len(init.dims) for init in graph.initializer}
+    for value in [*graph.value_info, *graph.input, *graph.output]:
+        if value.type.tensor_type.HasField("shape"):
+            ranks[value.name] = len(value.type.tensor_type.shape.dim)
+    return ranks
 
 
 def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int]]:

@@ -1,4 +1,4 @@
-"""ONNX-level rewrites: transposed right MatMul operands fused, transposed left ones where that pays."""
+"""ONNX-level rewrites: Gemm biases split off, transposed right MatMul operands fused, left ones where that pays."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from onnx import TensorProto, helper
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS, fuse_transposed_operands
+from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS, fuse_transposed_operands, split_gemm_bias
 
 
 def test_fused_matmul_computes_the_same_product() -> None:
@@ -93,3 +93,34 @@ def test_batched_left_transpose_is_fused() -> None:
 
 def _attribute(node: onnx.NodeProto, name: str) -> int:
     return next((attr.i for attr in node.attribute if attr.name == name), 0)
+
+
+def test_linear_bias_is_added_after_the_product(tmp_path: Path) -> None:
+    # The exporter writes Linear as Gemm(x, Transpose(W), b); it runs as FusedMatMul(x, W, transB) and Add.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-6)
+    for name in ("forward.onnx", "forward_optimized.onnx"):
+        ops = [node.op_type for node in onnx.load(str(tmp_path / name)).graph.node]
+        assert "Gemm" not in ops and ops.count("Add") == 2, (name, ops)
+    assert ops.count("FusedMatMul") == 2, ops
+
+
+def test_gemm_with_scaling_or_matrix_bias_is_left_whole() -> None:
+    inputs = [
+        helper.make_tensor_value_info("a", TensorProto.FLOAT, [3, 4]),
+        helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 5]),
+        helper.make_tensor_value_info("b", TensorProto.FLOAT, [5]),
+        helper.make_tensor_value_info("c", TensorProto.FLOAT, [3, 5]),
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["a", "w", "b"], ["y1"], alpha=2.0),
+        helper.make_node("Gemm", ["a", "w", "c"], ["y2"]),
+        helper.make_node("Gemm", ["w", "a", "b"], ["y3"], transA=1, transB=1),
+        helper.make_node("Gemm", ["a", "w"], ["y4"]),
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, []))
+    assert split_gemm_bias(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["Gemm"] * 4
