@@ -305,6 +305,9 @@ def _dropout_keep_fake(like: torch.Tensor, p: float) -> torch.Tensor:
     return torch.empty_like(like)
 
 
+DROPOUT_KEEP = torch.ops.lightning_ort.dropout_keep.default
+"""The op :func:`dropout_keep` records in captured graphs (lifted out of them by the export)."""
+
 _EAGER_DROPOUT = torch.nn.functional.dropout
 
 

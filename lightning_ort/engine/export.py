@@ -32,7 +32,7 @@ import torch.fx
 from torch._guards import detect_fake_mode, tracing
 from torch.utils._sympy.functions import FloorDiv
 
-from lightning_ort.engine.decompositions import dropout_keep
+from lightning_ort.engine.decompositions import DROPOUT_KEEP
 from lightning_ort.engine.dynamic import evaluate, symbolic_size
 from lightning_ort.engine.onnx_rewrites import fuse_transposed_operands, split_gemm_bias
 
@@ -445,7 +445,7 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.
             graph.erase_node(node)
         elif node.target in (aten.bernoulli.default, aten.bernoulli.p):
             _lift_bernoulli(graph, node, new_input)
-        elif node.target is _DROPOUT_KEEP:
+        elif node.target is DROPOUT_KEEP:
             p = _scalar(node.args[1])
             keep = Noise("threshold", _sizes(val.shape), val.dtype, "gt", p, scale=1.0 / (1.0 - p))
             node.replace_all_uses_with(new_input(keep, val.shape))
@@ -510,7 +510,6 @@ _THRESHOLD_OPS: dict[object, str] = {
     aten.le.Scalar: "le",
 }
 _UNIFORM_OPS = {aten.rand.default, aten.rand_like.default}
-_DROPOUT_KEEP = dropout_keep._opoverload
 _NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
 
 _OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")

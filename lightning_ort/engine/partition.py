@@ -20,7 +20,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from lightning_ort.engine.decompositions import dropout_keep
+from lightning_ort.engine.decompositions import DROPOUT_KEEP
 from lightning_ort.engine.export import copy_graph_module, node_origin, quiet_exporter
 from lightning_ort.engine.session import GraphSession
 
@@ -173,4 +173,4 @@ def _onnx_coverage() -> frozenset[Any]:
         registry = _registration.ONNXRegistry.from_torchlib()
     translated = _decomp.get_onnx_implemented_overloads(registry)
     decomposed = _decomp.create_onnx_friendly_decomposition_table(set(translated))
-    return frozenset(translated) | frozenset(decomposed) | {dropout_keep._opoverload}  # lifted before export
+    return frozenset(translated) | frozenset(decomposed) | {DROPOUT_KEEP}  # lifted before export
