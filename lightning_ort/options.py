@@ -163,7 +163,7 @@ class SessionSettings:
             its cores (a CPU training step took 2.8x longer).
         release_torch_threads: on CPU, make PyTorch's idle OpenMP worker threads stop busy-waiting before each
             ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads (the benchmark's
-            mlp step: about 10% shorter). PyTorch's next parallel operator starts them again (about 0.3 ms).
+            mlp step: 2-11% shorter). PyTorch's next parallel operator starts them again (about 0.3 ms).
             See :mod:`lightning_ort.engine.openmp`.
 
     Example:

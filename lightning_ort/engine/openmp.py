@@ -4,8 +4,8 @@ After each parallel PyTorch operator, its OpenMP worker threads busy-wait for th
 about 300,000 spins (milliseconds), Intel's and LLVM's runtimes for ``KMP_BLOCKTIME`` (200 ms by default). A
 training step alternates PyTorch (loss, autograd, optimizer) and ONNX Runtime, so an ONNX Runtime run starts
 while those threads still spin, and its own threads share their cores with threads that do no work: on the
-2-core benchmark machine the mlp's 2048x2048 products ran at 210-260 GFLOP/s in the graph instead of about 400
-standalone, and releasing the threads first made its step about 10% shorter.
+2-core benchmark machine the mlp's 2048x2048 products ran at 210-260 GFLOP/s in the graph instead of about 330
+standalone, and releasing the threads first made its step 2-11% shorter (five same-process comparisons).
 
 :func:`release_openmp_threads` calls the OpenMP 5.0 ``omp_pause_resource_all(omp_pause_soft)``: libgomp ends
 the calling thread's worker threads (the next parallel PyTorch operator starts them again, about 0.3 ms),
