@@ -93,18 +93,24 @@ class OutputLayout:
     def place(
         self, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
     ) -> list[Any]:
-        def value(source: Source) -> Any:
-            if source is None:
-                return None
-            if isinstance(source, int):
-                return onnx_outputs[source]
-            if isinstance(source, PassedInput):
-                return inputs[source.index]
-            if isinstance(source, ReshapedOutput):
-                return value(source.base).view(tuple(evaluate(size, env) for size in source.shape))
-            return evaluate(source, env)
+        return [_place(source, onnx_outputs, inputs, env) for source in self.sources]
 
-        return [value(source) for source in self.sources]
+
+def _place(
+    source: Source, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
+) -> Any:
+    # A module-level function, not a closure in ``place``: a recursive closure is a reference cycle that kept
+    # every output alive until the garbage collector ran, so autograd copied each gradient instead of taking it.
+    if source is None:
+        return None
+    if isinstance(source, int):
+        return onnx_outputs[source]
+    if isinstance(source, PassedInput):
+        return inputs[source.index]
+    if isinstance(source, ReshapedOutput):
+        base = _place(source.base, onnx_outputs, inputs, env)
+        return base.view(tuple(evaluate(size, env) for size in source.shape))
+    return evaluate(source, env)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -171,3 +173,37 @@ def test_permuted_views_are_saved_unpermuted() -> None:
     only_saved = [n.output[0] for n in graph.node if n.op_type == "Transpose" and n.output[0] in saved - consumed]
     assert not only_saved, only_saved
     _assert_grads_match(wrapped, eager)
+
+
+def test_outputs_are_freed_by_reference_counting_and_gradients_taken_without_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A reference cycle around a run's outputs kept them (saved activations included) alive until the garbage
+    # collector ran, and autograd copied every gradient instead of taking the tensor ONNX Runtime wrote.
+    written: list[weakref.ref[torch.Tensor]] = []
+    written_at: set[int] = set()
+    original_call = session_module.GraphSession.__call__
+
+    def recording_call(self: session_module.GraphSession, args: list[Any]) -> list[Any]:
+        outputs = original_call(self, args)
+        if self.name.startswith("backward"):
+            written.extend(weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor))
+            written_at.update(t.data_ptr() for t in outputs if isinstance(t, torch.Tensor))
+        return outputs
+
+    monkeypatch.setattr(session_module.GraphSession, "__call__", recording_call)
+    wrapped = ORTModule(MLP())
+    x = torch.randn(4, 16)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            written.clear()
+            written_at.clear()
+            wrapped.zero_grad(set_to_none=True)
+            wrapped(x).square().sum().backward()
+            assert all(ref() is None for ref in written)
+            grads = [p.grad for p in wrapped.parameters()]
+            assert all(g is not None and g.data_ptr() in written_at for g in grads)
+    finally:
+        gc.enable()
