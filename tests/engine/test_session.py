@@ -18,23 +18,45 @@ from tests.zoo import MLP
 
 
 def test_inputs_and_outputs_are_bound_zero_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inputs are bound to PyTorch's memory; on CPU, outputs are written into ONNX Runtime's arena and the tensors
+    # handed back are DLPack views of that memory (on CUDA they are bound like inputs: tests/test_cuda.py).
     bound: list[tuple[str, int, str]] = []
+    written: list[int] = []
     original_bind = session_module._bind
+    original_from_onnx_runtime = session_module._from_onnx_runtime
 
     def recording_bind(bind: Any, name: str, tensor: torch.Tensor) -> None:
         bound.append((bind.__name__, tensor.data_ptr(), name))
         original_bind(bind, name, tensor)
 
+    def recording_from_onnx_runtime(value: Any, dtype: torch.dtype) -> torch.Tensor:
+        written.append(value.data_ptr())
+        return original_from_onnx_runtime(value, dtype)
+
     monkeypatch.setattr(session_module, "_bind", recording_bind)
+    monkeypatch.setattr(session_module, "_from_onnx_runtime", recording_from_onnx_runtime)
     wrapped = ORTModule(MLP())
     x = torch.randn(4, 16)
     with torch.no_grad():
         out = wrapped(x)
     input_pointers = {ptr for kind, ptr, _ in bound if kind == "bind_input"}
-    output_pointers = {ptr for kind, ptr, _ in bound if kind == "bind_output"}
     assert x.data_ptr() in input_pointers
     assert {p.data_ptr() for p in wrapped.parameters()} <= input_pointers
-    assert out.data_ptr() in output_pointers
+    assert not [name for kind, _, name in bound if kind == "bind_output"]
+    assert out.data_ptr() in written
+
+
+def test_boolean_outputs_come_back_as_booleans() -> None:
+    wrapped = ORTModule(_Positive())
+    x = torch.randn(3, 5)
+    out = wrapped(x)
+    assert out.dtype == torch.bool
+    assert torch.equal(out, x > 0)
+
+
+class _Positive(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x > 0
 
 
 def test_non_contiguous_input_is_made_contiguous_once() -> None:
