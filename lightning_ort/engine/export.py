@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
+import numpy as np
 import onnx
 import sympy
 import torch
@@ -150,13 +151,42 @@ class Noise:
             return torch.rand(shape, dtype=self.dtype, device=device)
         if self.kind == "normal":
             return torch.randn(shape, dtype=self.dtype, device=device)
-        # u = (bits + 2**15) / 2**16 is uniform on [0, 1) in steps of 2**-16; compare the bits with the
-        # equivalent threshold instead of materialising u.
-        numel = math.prod(shape)
-        bits = torch.empty(-(-numel // 4), dtype=torch.int64, device=device).random_(-(2**63), None)
+        limit = self._integer_threshold()
+        if not -(2**15) <= limit < 2**15:  # every 16-bit value compares like 0 with an out-of-range limit
+            kept = getattr(operator, self.compare)(0, limit)
+            value = kept if self.dtype == torch.bool else self.scale * kept
+            return torch.full(shape, value, dtype=self.dtype, device=device)
+        bits = _random_int16(math.prod(shape), device).view(shape)
         compare = getattr(torch, self.compare)
-        mask = compare(bits.view(torch.int16)[:numel], self.threshold * 65536.0 - 32768.0).view(shape)
-        return mask if self.dtype == torch.bool else mask.to(self.dtype).mul_(self.scale)
+        if self.dtype == torch.bool:
+            return compare(bits, limit)
+        mask = torch.empty(shape, dtype=self.dtype, device=device)
+        return compare(bits, limit, out=mask).mul_(self.scale)
+
+    def _integer_threshold(self) -> int:
+        """The integer ``limit`` with ``bits <compare> limit`` exactly when ``u <compare> threshold``.
+
+        ``u = (bits + 2**15) / 2**16`` is uniform on [0, 1) in steps of 2**-16, so ``u > t`` holds when
+        ``bits > floor(t * 2**16 - 2**15)`` (``ceil`` for ``ge``/``lt``). Comparing int16 with an integer is 3x
+        faster than with a float, which promotes every element.
+        """
+        bound = self.threshold * 65536.0 - 32768.0
+        return math.floor(bound) if self.compare in ("gt", "le") else math.ceil(bound)
+
+
+def _random_int16(numel: int, device: torch.device) -> torch.Tensor:
+    """``numel`` uniformly random int16 values, drawn from PyTorch's generator for ``device``.
+
+    On CPU, PyTorch's generator (a serial Mersenne Twister) only draws the seed of a NumPy SFC64 generator,
+    which fills the bits twice as fast (2M values: 0.8 vs 1.6 ms); ``torch.manual_seed`` still fixes every mask.
+    """
+    words = -(-numel // 4)
+    if device.type != "cpu":
+        bits = torch.empty(words, dtype=torch.int64, device=device).random_(-(2**63), None)
+        return bits.view(torch.int16)[:numel]
+    seed = int(torch.empty((), dtype=torch.int64).random_())
+    raw = np.random.SFC64(seed).random_raw(words)
+    return torch.from_numpy(raw.view(np.int16)[:numel])
 
 
 @dataclass

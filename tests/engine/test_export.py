@@ -1,0 +1,50 @@
+"""Lifted random inputs (``Noise``): exact keep probabilities, reproducible with ``torch.manual_seed``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_ort.engine.export import Noise
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("compare", ["gt", "ge", "lt", "le"])
+@pytest.mark.parametrize("threshold", [0.1, 0.5, 0.25 + 2**-17, 3 * 2**-16, 0.0, 1.0, -0.5, 1.5])
+def test_integer_threshold_compares_like_the_uniform_sample(compare: str, threshold: float) -> None:
+    # Every 16-bit pattern: bits <compare> limit must equal u <compare> threshold for u = (bits + 2**15) / 2**16.
+    noise = Noise("threshold", (2**16,), torch.bool, compare, threshold)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32)
+    uniform = (bits.double() + 2**15) / 2**16
+    expected = getattr(torch, compare)(uniform, threshold)
+    limit = noise._integer_threshold()
+    assert torch.equal(getattr(torch, compare)(bits, limit), expected)
+
+
+@pytest.mark.parametrize(("threshold", "kept"), [(-0.5, 1.0), (1.5, 0.0), (0.0, 1.0 - 2**-16)])
+def test_thresholds_at_and_beyond_the_ends(threshold: float, kept: float) -> None:
+    mask = Noise("threshold", (4096,), torch.float32, "gt", threshold, scale=2.0).draw(CPU)
+    assert set(mask.unique().tolist()) <= {0.0, 2.0}
+    if kept in (0.0, 1.0):
+        assert torch.equal(mask, torch.full_like(mask, 2.0 * kept))
+
+
+def test_keep_mask_has_the_asked_probability_and_scale() -> None:
+    p = 0.1
+    mask = Noise("threshold", (1 << 22,), torch.float32, "gt", p, scale=1 / (1 - p)).draw(CPU)
+    assert mask.unique().tolist() == [0.0, pytest.approx(1 / (1 - p))]
+    kept = float((mask != 0).double().mean())
+    assert abs(kept - (1 - p)) < 5 * (p * (1 - p) / mask.numel()) ** 0.5  # five standard deviations
+    halves = (mask != 0).view(2, -1).double().mean(dim=1)
+    assert abs(float(halves[0] - halves[1])) < 0.002  # no stuck or repeating block
+
+
+def test_draws_follow_torch_manual_seed() -> None:
+    noise = Noise("threshold", (3, 1000), torch.bool, "gt", 0.5)
+    torch.manual_seed(3)
+    first, second = noise.draw(CPU), noise.draw(CPU)
+    torch.manual_seed(3)
+    assert torch.equal(noise.draw(CPU), first)
+    assert torch.equal(noise.draw(CPU), second)
+    assert not torch.equal(first, second)
