@@ -42,6 +42,10 @@ class ORTCallback(Callback):
         providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
         optimization_level: ONNX Runtime graph optimization level.
         intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
+        allow_spinning: let ONNX Runtime's threads busy-wait inside a run (see
+            :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
+        release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
+            run (see :class:`~lightning_ort.SessionSettings`).
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
         cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
             loads them instead of exporting again (default: no on-disk cache).
@@ -65,6 +69,8 @@ class ORTCallback(Callback):
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
+        allow_spinning: bool = True,
+        release_torch_threads: bool = True,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
@@ -72,17 +78,19 @@ class ORTCallback(Callback):
         prog_bar: bool = False,
     ) -> None:
         self._config = WrapConfig.from_arguments(
-            modules,
-            save_onnx,
-            log_level,
-            onnx_prefix,
-            save_path,
-            providers,
-            optimization_level,
-            intra_op_num_threads,
-            fallback,
-            cache_dir,
-            dynamic,
+            modules=modules,
+            save_onnx=save_onnx,
+            log_level=log_level,
+            onnx_prefix=onnx_prefix,
+            save_path=save_path,
+            providers=providers,
+            optimization_level=optimization_level,
+            intra_op_num_threads=intra_op_num_threads,
+            allow_spinning=allow_spinning,
+            release_torch_threads=release_torch_threads,
+            fallback=fallback,
+            cache_dir=cache_dir,
+            dynamic=dynamic,
         )
         self._log_metrics = log_metrics
         self._prog_bar = prog_bar

@@ -62,6 +62,10 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
         optimization_level: ONNX Runtime graph optimization level.
         intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
+        allow_spinning: let ONNX Runtime's threads busy-wait inside a run (see
+            :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
+        release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
+            run (see :class:`~lightning_ort.SessionSettings`).
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
         cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
             loads them instead of exporting again (default: no on-disk cache).
@@ -88,6 +92,8 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
+        allow_spinning: bool = True,
+        release_torch_threads: bool = True,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
@@ -115,19 +121,21 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             **kwargs,
         )
         self._ort = ORTCallback(
-            modules,
-            save_onnx,
-            log_level,
-            onnx_prefix,
-            save_path,
-            providers,
-            optimization_level,
-            intra_op_num_threads,
-            fallback,
-            cache_dir,
-            dynamic,
-            log_metrics,
-            prog_bar,
+            modules=modules,
+            save_onnx=save_onnx,
+            log_level=log_level,
+            onnx_prefix=onnx_prefix,
+            save_path=save_path,
+            providers=providers,
+            optimization_level=optimization_level,
+            intra_op_num_threads=intra_op_num_threads,
+            allow_spinning=allow_spinning,
+            release_torch_threads=release_torch_threads,
+            fallback=fallback,
+            cache_dir=cache_dir,
+            dynamic=dynamic,
+            log_metrics=log_metrics,
+            prog_bar=prog_bar,
         )
 
     @override
@@ -173,6 +181,8 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
+        allow_spinning: bool = True,
+        release_torch_threads: bool = True,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
@@ -192,19 +202,21 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         # Lightning's accelerator connector fills an empty `parallel_devices` with the devices it chose.
         self.parallel_devices: list[torch.device] | None = [self._root_device] if device is not None else None
         self._ort = ORTCallback(
-            modules,
-            save_onnx,
-            log_level,
-            onnx_prefix,
-            save_path,
-            providers,
-            optimization_level,
-            intra_op_num_threads,
-            fallback,
-            cache_dir,
-            dynamic,
-            log_metrics,
-            prog_bar,
+            modules=modules,
+            save_onnx=save_onnx,
+            log_level=log_level,
+            onnx_prefix=onnx_prefix,
+            save_path=save_path,
+            providers=providers,
+            optimization_level=optimization_level,
+            intra_op_num_threads=intra_op_num_threads,
+            allow_spinning=allow_spinning,
+            release_torch_threads=release_torch_threads,
+            fallback=fallback,
+            cache_dir=cache_dir,
+            dynamic=dynamic,
+            log_metrics=log_metrics,
+            prog_bar=prog_bar,
         )
 
     @property

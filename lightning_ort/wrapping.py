@@ -57,6 +57,8 @@ class WrapConfig:
         providers: Sequence[str] | None = None,
         optimization_level: str = "all",
         intra_op_num_threads: int = 0,
+        allow_spinning: bool = True,
+        release_torch_threads: bool = True,
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
@@ -74,6 +76,8 @@ class WrapConfig:
             providers=tuple(providers) if providers else None,
             optimization_level=optimization_level,
             intra_op_num_threads=intra_op_num_threads,
+            allow_spinning=allow_spinning,
+            release_torch_threads=release_torch_threads,
         )
         return cls(
             tuple(modules) if modules is not None else None,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 from torch import nn
 
-from lightning_ort import ORTModule
+from lightning_ort import ORTCallback, ORTDDPStrategy, ORTModule, ORTSingleDeviceStrategy
 from lightning_ort.wrapping import WrapConfig, default_module_names, wrap_submodules
 from tests.lightning.models import TinyTransformerLM
 
@@ -63,3 +64,29 @@ def test_each_wrapped_module_saves_under_its_own_prefix(tmp_path: Path) -> None:
         "head": "lm_head",
     }
     assert WrapConfig().debug_options_for("net.layers.0").onnx_prefix == "net.layers.0"
+
+
+@pytest.mark.parametrize("owner", [ORTCallback, ORTDDPStrategy, ORTSingleDeviceStrategy])
+def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: type, tmp_path: Path) -> None:
+    # Each takes all of WrapConfig.from_arguments' parameters, by the same names, and hands each one on.
+    arguments = {
+        "modules": ["net"],
+        "save_onnx": True,
+        "log_level": "ERROR",
+        "onnx_prefix": "run",
+        "save_path": str(tmp_path),
+        "providers": ["CPUExecutionProvider"],
+        "optimization_level": "basic",
+        "intra_op_num_threads": 1,
+        "allow_spinning": False,
+        "release_torch_threads": False,
+        "fallback": "raise",
+        "cache_dir": str(tmp_path / "cache"),
+        "dynamic": False,
+    }
+    assert set(arguments) == set(inspect.signature(WrapConfig.from_arguments).parameters)
+    made = owner(**arguments)
+    config = made.config if isinstance(made, ORTCallback) else made.ort_callback.config
+    assert config == WrapConfig.from_arguments(**arguments)
+    assert not config.session_settings.allow_spinning
+    assert not config.session_settings.release_torch_threads
