@@ -180,6 +180,17 @@ class CapturedGraphs:
             except _DATA_DEPENDENT_ERRORS as err:
                 self._log.capture_seconds += time.perf_counter() - start
                 return self._fall_back_to_eager(err, tensors)
+            except (ExportError, SessionError) as err:
+                # Failures that name ops were already narrowed to per-op fallback; what reaches here names none
+                # (or the same ops failed again), so the signature can only run whole in PyTorch.
+                if self._options.fallback == "raise":
+                    raise
+                self._log.capture_seconds += time.perf_counter() - start
+                return self._run_eagerly_from_now(
+                    f"ONNX Runtime could not build its graphs ({_first_line(err)}). Run with "
+                    "DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) to see why",
+                    tensors,
+                )
             self._log.capture_seconds += time.perf_counter() - start - (self._compile_seconds - compiled_before)
         else:
             flat = self._function(*state, *tensors)
@@ -208,14 +219,21 @@ class CapturedGraphs:
                 "represent it. Express the branch with tensor ops (torch.where, masking), move it outside the "
                 "wrapped module, or pass fallback='auto' to run such calls in PyTorch."
             ) from err
+        return self._run_eagerly_from_now(
+            f"its forward reads tensor values at {where} (a data-dependent branch or .item()), which one ONNX "
+            "graph cannot represent",
+            tensors,
+        )
+
+    def _run_eagerly_from_now(self, reason: str, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run this signature in PyTorch from now on, with a warning that says ``reason``."""
         self._runs_eagerly = True
         self._log.eager_signatures += 1
         warnings.warn(
-            f"lightning_ort: {owner} runs in PyTorch for this input signature: its forward reads tensor values at "
-            f"{where} (a data-dependent branch or .item()), which one ONNX graph cannot represent. Pass "
-            "fallback='raise' to make this an error.",
+            f"lightning_ort: {type(self._module).__name__} runs in PyTorch for this input signature: {reason}. "
+            "Pass fallback='raise' to make this an error.",
             FallbackWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         return self._run_eager(tensors)
 
@@ -353,6 +371,10 @@ def _partition(
 
 _SAVED_FROM = "lightning_ort_saved_from"
 """``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _failure_reason(err: ExportError | SessionError) -> str:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 
+import lightning_ort.engine.capture as capture_module
 from lightning_ort import CaptureError, ExportError, FallbackWarning, ORTModule
+from lightning_ort.engine.session import SessionError
 from tests.custom_ops import CustomOpMLP, DataDependentBranch
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE, assert_grads_close
+from tests.zoo import MLP
 
 
 def _train_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -94,3 +98,33 @@ def test_data_dependent_branch_with_fallback_raise() -> None:
 def test_unknown_fallback_policy_is_refused() -> None:
     with pytest.raises(ValueError, match=r"fallback='eager' is not a fallback policy"):
         ORTModule(torch.nn.Linear(2, 2), fallback="eager")  # type: ignore[arg-type]
+
+
+def _unloadable(*args: object, **kwargs: object) -> None:
+    raise SessionError("ONNX Runtime could not load the forward graph: an unexpected failure naming no node")
+
+
+def test_graph_onnx_runtime_cannot_load_runs_that_signature_in_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(capture_module, "GraphSession", _unloadable)
+    torch.manual_seed(0)
+    eager = MLP()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(4, 16)
+    with pytest.warns(FallbackWarning, match=r"MLP runs in PyTorch .*could not build its graphs \(.*naming no"):
+        actual = _train_step(wrapped, x)
+    torch.testing.assert_close(actual, _train_step(eager, x), **OUTPUT_TOLERANCE)
+    assert_grads_close(wrapped, eager)
+    assert wrapped.statistics.eager_signatures == 1 and wrapped.statistics.forward_runs == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train_step(wrapped, x)  # the same signature: PyTorch again, without another warning or build attempt
+
+
+def test_graph_onnx_runtime_cannot_load_with_fallback_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(capture_module, "GraphSession", _unloadable)
+    model = MLP()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(SessionError, match="naming no node"):
+        ORTModule(model, fallback="raise")(torch.randn(2, 16))
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
