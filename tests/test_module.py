@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ort import DebugOptions, ExportError, ORTModule, ORTModuleError, SessionError
+from lightning_ort import DebugOptions, ExportError, FallbackWarning, ORTModule, ORTModuleError, SessionError
 from tests.zoo import MLP, ConvBN, Shared
 
 
@@ -209,7 +209,7 @@ def test_unwritable_save_path_fails_at_construction(tmp_path: Path) -> None:
 
 
 def test_missing_kernel_names_the_graph_module_and_provider() -> None:
-    wrapped = ORTModule(MLP().double())
+    wrapped = ORTModule(MLP().double(), fallback="raise")
     with (
         pytest.raises(
             SessionError, match=r"MLP: ONNX Runtime could not load the inference graph .*CPUExecutionProvider.*Erf"
@@ -218,3 +218,16 @@ def test_missing_kernel_names_the_graph_module_and_provider() -> None:
     ):
         wrapped(torch.randn(2, 16, dtype=torch.float64))
     assert wrapped.statistics.cached_graphs == 0
+
+
+def test_missing_kernel_runs_that_signature_in_pytorch_by_default() -> None:
+    # float64 Erf has no CPU kernel and the failure names no captured op, so the whole call runs in PyTorch.
+    model = MLP().double()
+    wrapped = ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 16, dtype=torch.float64)
+    with (
+        pytest.warns(FallbackWarning, match=r"MLP runs in PyTorch .*could not load the inference graph .*Erf"),
+        torch.no_grad(),
+    ):
+        torch.testing.assert_close(wrapped(x), model(x))
+    assert wrapped.statistics.eager_signatures == 1

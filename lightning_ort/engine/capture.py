@@ -182,8 +182,9 @@ class CapturedGraphs:
                 return self._fall_back_to_eager(err, tensors)
             except (ExportError, SessionError) as err:
                 # Failures that name ops were already narrowed to per-op fallback; what reaches here names none
-                # (or the same ops failed again), so the signature can only run whole in PyTorch.
-                if self._options.fallback == "raise":
+                # (or the same ops failed again), so a static signature can only run whole in PyTorch. A symbolic
+                # one raises: ORTModule then tries one graph per shape (dynamic=None) or reports it (dynamic=True).
+                if self._options.fallback == "raise" or self._dynamic_dims:
                     raise
                 self._log.capture_seconds += time.perf_counter() - start
                 return self._run_eagerly_from_now(
