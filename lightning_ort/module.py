@@ -16,7 +16,7 @@ from lightning_ort.engine.cache import CacheStatistics, GraphCache
 from lightning_ort.engine.capture import BuildOptions, CapturedGraphs, FallbackWarning
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, Shapes, all_dims, changed_dims
-from lightning_ort.engine.export import ExportError
+from lightning_ort.engine.export import ExportError, first_line
 from lightning_ort.engine.session import SessionError
 from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
@@ -181,10 +181,9 @@ class ORTModule(nn.Module):
             return self._build_and_run(*build, dims)
         except (ExportError, SessionError) as err:
             self._static_keys.add(general_key)
-            first_line = str(err).strip().splitlines()[0]
             warnings.warn(
                 f"lightning_ort: {type(self._original_module).__name__}: no graph with symbolic sizes for input "
-                f"dimensions {sorted(dims)} ({first_line}); building one graph per input shape instead. Pass "
+                f"dimensions {sorted(dims)} ({first_line(err)}); building one graph per input shape instead. Pass "
                 "dynamic=False to skip the attempt.",
                 FallbackWarning,
                 stacklevel=2,

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_ort.engine.decompositions import attention, capture_decompositions, dropout, multihead_attention
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, ShapeGuards, symbolic_inputs
-from lightning_ort.engine.export import ExportedGraph, ExportError, export_graph
+from lightning_ort.engine.export import ExportedGraph, ExportError, export_graph, first_line
 from lightning_ort.engine.partition import (
     PartitionCall,
     PartitionedGraph,
@@ -188,7 +188,7 @@ class CapturedGraphs:
                     raise
                 self._log.capture_seconds += time.perf_counter() - start
                 return self._run_eagerly_from_now(
-                    f"ONNX Runtime could not build its graphs ({_first_line(err)}). Run with "
+                    f"ONNX Runtime could not build its graphs ({first_line(err)}). Run with "
                     "DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) to see why",
                     tensors,
                 )
@@ -372,10 +372,6 @@ def _partition(
 
 _SAVED_FROM = "lightning_ort_saved_from"
 """``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _failure_reason(err: ExportError | SessionError) -> str:

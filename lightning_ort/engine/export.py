@@ -551,13 +551,18 @@ _NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
 _OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
 
 
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of ``err``'s message (its type name if the message is empty), for summaries."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> ExportError:
     text = str(err)
     match = _OP_PATTERN.search(text)
     if match is None:
-        summary = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         return ExportError(
-            f"ONNX export of the {name} graph failed: {summary}\n"
+            f"ONNX export of the {name} graph failed: {first_line(err)}\n"
             "Run with DebugOptions(log_level=LogLevel.VERBOSE) for the exporter's full report."
         )
     op_name = f"{match.group(1)}.{match.group(2)}"
