@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
+from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -362,7 +363,11 @@ _DATA_DEPENDENT_ERRORS = (
 def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
+    # No common-subexpression pass here: the ONNX translation (onnxscript's optimizer) and ONNX Runtime remove
+    # duplicates themselves (the three benchmark workloads export node for node the same graphs), and
+    # functorch's pass imports torch._inductor's pattern matcher: 20-30 MiB resident and ~0.5 s of the first call.
+    with functorch_config.patch(cse=False):
+        forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
     saved_from = kwargs["num_fwd_outputs"]
     moved = move_saved_permutes(forward, backward, saved_from)
     log.debug("%d saved permuted views moved to the backward graph", moved)
