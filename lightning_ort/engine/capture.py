@@ -53,8 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DECOMPOSITIONS = capture_decompositions()
-
 
 @dataclass(frozen=True)
 class BuildOptions:
@@ -140,7 +138,7 @@ class CapturedGraphs:
             bw_compiler=self._compiler("backward"),
             inference_compiler=self._compiler("inference"),
             partition_fn=_partition,
-            decompositions=_DECOMPOSITIONS,
+            decompositions=capture_decompositions(device.type),
             num_params_buffers=len(self._state_names),
             dynamic=bool(dynamic_dims),
         )

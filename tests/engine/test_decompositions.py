@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
+import onnx
 import pytest
 import torch
 
-from lightning_ort import ORTModule
+from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.decompositions import (
     capture_decompositions,
     convolution_backward,
     dropout,
     multihead_attention,
+    threshold_backward,
 )
 
 aten = torch.ops.aten
@@ -56,9 +61,43 @@ def test_respects_output_mask_and_declines_transposed() -> None:
 
 
 def test_table_covers_ops_without_onnx_translation() -> None:
-    table = capture_decompositions()
-    assert aten.convolution_backward.default in table
-    assert aten._native_batch_norm_legit_functional.default in table
+    for device_type in ("cpu", "cuda"):
+        table = capture_decompositions(device_type)
+        assert aten.convolution_backward.default in table
+        assert aten._native_batch_norm_legit_functional.default in table
+    assert capture_decompositions("cpu")[aten.threshold_backward.default] is threshold_backward
+    assert capture_decompositions("cuda")[aten.threshold_backward.default] is not threshold_backward  # ATen's
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.25])
+def test_threshold_backward_matches_aten_on_finite_gradients(threshold: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 33)
+    x[::3] = threshold  # exactly at the threshold: PyTorch gives 0 there
+    grad = torch.randn(64, 33)
+    torch.testing.assert_close(threshold_backward(grad, x, threshold), aten.threshold_backward(grad, x, threshold))
+
+
+def test_threshold_backward_differs_from_aten_only_on_non_finite_gradients_it_zeroes() -> None:
+    x = torch.tensor([-1.0, -1.0, 1.0, 1.0])
+    grad = torch.tensor([float("inf"), float("nan"), float("inf"), float("nan")])
+    assert aten.threshold_backward(grad, x, 0.0)[:2].tolist() == [0.0, 0.0]
+    assert threshold_backward(grad, x, 0.0).isnan()[:2].all()
+    ours, theirs = threshold_backward(grad, x, 0.0)[2:], aten.threshold_backward(grad, x, 0.0)[2:]
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+def test_relu_gradient_on_cpu_is_a_product_not_a_where(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    x = torch.randn(8, 16)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "backward.onnx")).graph.node]
+    assert "Where" not in ops and "Mul" in ops, ops
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
