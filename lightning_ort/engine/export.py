@@ -35,7 +35,12 @@ from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.decompositions import DROPOUT_KEEP
 from lightning_ort.engine.dynamic import evaluate, symbolic_size
-from lightning_ort.engine.onnx_rewrites import fuse_transposed_operands, split_gemm_bias
+from lightning_ort.engine.onnx_rewrites import (
+    fuse_transposed_operands,
+    nchwc_block_size,
+    split_gemm_bias,
+    use_nchwc_convolutions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -252,13 +257,15 @@ def export_graph(
     on_cpu = all(value.device.type == "cpu" for value in tensor_inputs if isinstance(value, torch.Tensor))
     split = split_gemm_bias(model) if on_cpu else 0  # measured on CPU only
     fused = fuse_transposed_operands(model)
+    blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
     log.debug(
-        "exported %s graph: %d nodes (%d biases split from Gemm, %d transposed matmul operands fused), "
-        "%d inputs, %d outputs",
+        "exported %s graph: %d nodes (%d biases split from Gemm, %d transposed matmul operands fused, "
+        "%d convolutions on NCHWc kernels), %d inputs, %d outputs",
         name,
         len(model.graph.node),
         split,
         fused,
+        blocked,
         len(inputs),
         len(outputs),
     )

@@ -1,4 +1,4 @@
-"""ONNX-level rewrites: Gemm biases split off, transposed right MatMul operands fused, left ones where that pays."""
+"""ONNX-level rewrites: Gemm biases split off, transposed MatMul operands fused where that pays, NCHWc convolutions."""
 
 from __future__ import annotations
 
@@ -8,11 +8,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 from onnx import TensorProto, helper
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS, fuse_transposed_operands, split_gemm_bias
+from lightning_ort.engine.onnx_rewrites import (
+    DISABLED_ORT_OPTIMIZERS,
+    fuse_transposed_operands,
+    nchwc_block_size,
+    split_gemm_bias,
+    use_nchwc_convolutions,
+)
+
+needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
 
 
 def test_fused_matmul_computes_the_same_product() -> None:
@@ -124,3 +133,106 @@ def test_gemm_with_scaling_or_matrix_bias_is_left_whole() -> None:
     model = helper.make_model(helper.make_graph(nodes, "g", inputs, []))
     assert split_gemm_bias(model) == 0
     assert [n.op_type for n in model.graph.node] == ["Gemm"] * 4
+
+
+def _conv_model(
+    in_channels: int, out_channels: int, attributes: dict[str, object], bias: bool, dtype: int = TensorProto.FLOAT
+) -> onnx.ModelProto:
+    inputs = [
+        helper.make_tensor_value_info("x", dtype, ["batch", in_channels, 9, 9]),
+        helper.make_tensor_value_info("w", dtype, [out_channels, in_channels // int(attributes.get("group", 1)), 3, 3]),
+    ]
+    if bias:
+        inputs.append(helper.make_tensor_value_info("b", dtype, [out_channels]))
+    conv = helper.make_node("Conv", [i.name for i in inputs], ["y"], "node_convolution", **attributes)
+    graph = helper.make_graph([conv], "g", inputs, [helper.make_tensor_value_info("y", dtype, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def test_nchwc_block_size_is_a_block_ort_uses_or_zero() -> None:
+    assert nchwc_block_size() in (0, 4, 8, 16)
+
+
+@needs_nchwc
+@pytest.mark.parametrize(
+    ("attributes", "bias"),
+    [
+        ({"pads": [1, 1, 1, 1]}, False),
+        ({"pads": [1, 1, 1, 1]}, True),
+        ({"pads": [0, 1, 2, 1], "strides": [2, 2]}, True),
+        ({"pads": [2, 2, 2, 2], "dilations": [2, 2]}, False),
+        ({"strides": [2, 1]}, False),
+    ],
+)
+def test_nchwc_convolution_computes_the_same_as_conv(attributes: dict[str, object], bias: bool) -> None:
+    block = nchwc_block_size()
+    channels = 2 * block
+    model = _conv_model(channels, block, attributes, bias)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((3, channels, 9, 9), dtype=np.float32),
+        "w": rng.standard_normal((block, channels, 3, 3), dtype=np.float32),
+    }
+    if bias:
+        feeds["b"] = rng.standard_normal(block, dtype=np.float32)
+    expected = _run(model, feeds)
+    assert use_nchwc_convolutions(model, block) == 1
+    assert [(n.domain, n.op_type) for n in model.graph.node][-3:] == [
+        ("com.microsoft.nchwc", "ReorderInput"),
+        ("com.microsoft.nchwc", "Conv"),
+        ("com.microsoft.nchwc", "ReorderOutput"),
+    ]
+    np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("in_channels", "out_channels", "attributes", "dtype"),
+    [
+        (3, 16, {}, TensorProto.FLOAT),  # a first layer's 3 input channels
+        (16, 24, {}, TensorProto.FLOAT),  # output channels not a multiple of the block
+        (16, 16, {"group": 2}, TensorProto.FLOAT),
+        (16, 16, {"auto_pad": "SAME_UPPER"}, TensorProto.FLOAT),
+        (16, 16, {}, TensorProto.DOUBLE),
+    ],
+)
+def test_other_convolutions_stay_plain(
+    in_channels: int, out_channels: int, attributes: dict[str, object], dtype: int
+) -> None:
+    model = _conv_model(in_channels, out_channels, attributes, bias=False, dtype=dtype)
+    assert use_nchwc_convolutions(model, 16) == 0
+    assert [n.op_type for n in model.graph.node] == ["Conv"]
+    assert use_nchwc_convolutions(_conv_model(16, 16, {}, bias=False), 0) == 0  # no NCHWc kernels on this CPU
+
+
+@needs_nchwc
+def test_conv_net_trains_like_eager_on_nchwc_kernels(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(32),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 32, 3, stride=2, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 16, 3, padding=2, dilation=2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 8 * 8, 10),
+    )
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    x = torch.randn(4, 3, 16, 16)
+    for _ in range(2):
+        ours, theirs = wrapped(x), eager(x)
+        ours.square().sum().backward()
+        theirs.square().sum().backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    for (name, mine), reference in zip(wrapped.module.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)
+    for graph in ("forward", "backward"):
+        nodes = onnx.load(str(tmp_path / f"{graph}.onnx")).graph.node
+        assert any(n.domain == "com.microsoft.nchwc" and n.op_type == "Conv" for n in nodes), graph
