@@ -361,6 +361,12 @@ def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: 
         def train_dataloader(self) -> list[int]:
             return list(range(steps + warmup + 1))
 
+    plain = _Runner("ort", workload, device)
+    for _ in range(warmup + 1):
+        plain.step()
+    # The plain loop's steps are timed before and after the Trainer's, so that a machine that slows down or
+    # speeds up during the run moves both figures alike.
+    plain_ms = [plain.step() * 1e3 for _ in range(steps)]
     timer = StepTimer()
     trainer = pl.Trainer(
         strategy="ort",
@@ -374,8 +380,7 @@ def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: 
         callbacks=[timer],
     )
     trainer.fit(BenchModule())
-    plain = _Runner("ort", workload, device)
-    plain_ms = [plain.step() * 1e3 for _ in range(steps + warmup + 1)][warmup + 1 :]
+    plain_ms += [plain.step() * 1e3 for _ in range(steps)]
     trainer_ms = statistics.median(timer.times_ms[warmup + 1 :])
     plain_median = statistics.median(plain_ms)
     return LightningResult(workload.name, plain_median, trainer_ms, trainer_ms / plain_median - 1.0)

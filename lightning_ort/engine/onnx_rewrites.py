@@ -163,37 +163,39 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     nodes: list[onnx.NodeProto] = []
     initializers: list[onnx.TensorProto] = []
     for node in model.graph.node:
-        shapes = _nchwc_shapes(node, values, block)
-        if shapes is None:
+        weight_shape = _nchwc_weight_shape(node, values, block)
+        if weight_shape is None:
             nodes.append(node)
             continue
-        (out_channels, in_channels, *kernel), name = shapes, node.name or node.output[0]
-        blocked = [f"{name}_nchwc_{part}" for part in ("w6", "w6t", "w", "x", "y", "s6", "s4")]
+        out_channels, in_channels, *kernel = weight_shape
+        prefix = f"{node.name or node.output[0]}_nchwc"
+        split_shape, blocked_shape = f"{prefix}_split_shape", f"{prefix}_weight_shape"
+        split_weight, ordered_weight, weight = f"{prefix}_split", f"{prefix}_ordered", f"{prefix}_weight"
+        blocked_input, blocked_output = f"{prefix}_input", f"{prefix}_output"
+        split = [out_channels // block, block, in_channels // block, block, *kernel]
         initializers += [
-            numpy_helper.from_array(
-                np.array([out_channels // block, block, in_channels // block, block, *kernel], np.int64), blocked[5]
-            ),
-            numpy_helper.from_array(np.array([out_channels, in_channels, *kernel], np.int64), blocked[6]),
+            numpy_helper.from_array(np.array(split, np.int64), split_shape),
+            numpy_helper.from_array(np.array(weight_shape, np.int64), blocked_shape),
         ]
-        nodes += [
-            helper.make_node("Reshape", [node.input[1], blocked[5]], [blocked[0]], f"{name}_nchwc_weight_split"),
-            helper.make_node("Transpose", [blocked[0]], [blocked[1]], f"{name}_nchwc_weight_order", perm=_OIHW_BI_BO),
-            helper.make_node("Reshape", [blocked[1], blocked[6]], [blocked[2]], f"{name}_nchwc_weight"),
-            helper.make_node("ReorderInput", [node.input[0]], [blocked[3]], f"{name}_nchwc_input", domain=_NCHWC),
-        ]
-        conv = helper.make_node("Conv", [blocked[3], blocked[2], *node.input[2:]], [blocked[4]], name, domain=_NCHWC)
+        conv = helper.make_node(
+            "Conv", [blocked_input, weight, *node.input[2:]], [blocked_output], node.name, domain=_NCHWC
+        )
         conv.attribute.extend(node.attribute)
-        nodes.append(conv)
-        nodes.append(
+        nodes += [
+            helper.make_node("Reshape", [node.input[1], split_shape], [split_weight], split_weight),
+            helper.make_node("Transpose", [split_weight], [ordered_weight], ordered_weight, perm=_OIHW_BI_BO),
+            helper.make_node("Reshape", [ordered_weight, blocked_shape], [weight], weight),
+            helper.make_node("ReorderInput", [node.input[0]], [blocked_input], blocked_input, domain=_NCHWC),
+            conv,
             helper.make_node(
                 "ReorderOutput",
-                [blocked[4]],
+                [blocked_output],
                 list(node.output),
-                f"{name}_nchwc_output",
+                f"{prefix}_reorder_output",
                 domain=_NCHWC,
                 channels=out_channels,
-            )
-        )
+            ),
+        ]
         rewritten += 1
     if rewritten:
         del model.graph.node[:]
@@ -208,7 +210,7 @@ _OIHW_BI_BO = [0, 2, 4, 5, 3, 1]
 """From ``[O/B, Bo, I/B, Bi, kh, kw]`` to the ``[O/B, I/B, kh, kw, Bi, Bo]`` layout of MLAS's NCHWc filters."""
 
 
-def _nchwc_shapes(node: onnx.NodeProto, values: dict[str, _Value], block: int) -> list[int] | None:
+def _nchwc_weight_shape(node: onnx.NodeProto, values: dict[str, _Value], block: int) -> list[int] | None:
     """The weight's static shape if ``node`` is a ``Conv`` :func:`use_nchwc_convolutions` rewrites, else ``None``."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return None
@@ -242,16 +244,16 @@ def nchwc_block_size() -> int:
         [numpy_helper.from_array(weight, "w")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    with tempfile.TemporaryDirectory() as directory:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
-        try:
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            options.optimized_model_filepath = os.path.join(directory, "optimized.onnx")
             ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
             optimized = onnx.load(options.optimized_model_filepath)
-        except Exception as err:  # a minimal build without the NCHWc kernels: plain convolutions then
-            log.debug("no NCHWc convolutions: probing ONNX Runtime failed: %s", err)
-            return 0
+    except Exception as err:  # no writable temporary directory, or a build without the NCHWc transformer
+        log.debug("no NCHWc convolutions: probing ONNX Runtime failed: %s", err)
+        return 0
     if not any(node.domain == _NCHWC and node.op_type == "Conv" for node in optimized.graph.node):
         return 0
     reordered = [numpy_helper.to_array(init).reshape(-1) for init in optimized.graph.initializer]
