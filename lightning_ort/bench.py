@@ -165,6 +165,7 @@ class RuntimeResult:
     floor_ratio: float
     peak_memory_mib: float
     step_ms_all: list[float] = field(repr=False)
+    pytorch_fallback: str = ""
 
 
 @dataclass
@@ -207,7 +208,8 @@ def peak_memory_mib(workload_spec: str, runtime: str, device: torch.device) -> f
 
     On CPU: the process's peak resident memory minus its resident memory once the workload is built (so
     it counts the model copy, optimizer state, compiled graphs, ONNX Runtime's arenas and the steps'
-    activations). On CUDA: PyTorch's peak allocated memory (ONNX Runtime's own CUDA arena is not in it).
+    activations). On CUDA: PyTorch's peak allocated memory plus the growth of the device memory held outside
+    PyTorch's allocator (ONNX Runtime's CUDA arena keeps its peak size, so its growth is its peak).
     A separate process per runtime, because freed memory is not reliably returned to the system.
     """
     command = [sys.executable, "-m", "lightning_ort.bench", "--memory-probe", runtime, "--device", str(device)]
@@ -222,6 +224,7 @@ def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> flo
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
+        outside_baseline = _cuda_memory_outside_torch(device)
     else:
         with open("/proc/self/statm") as statm:
             baseline = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -229,12 +232,21 @@ def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> flo
     runner.step()
     runner.step()
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
+        outside = max(_cuda_memory_outside_torch(device) - outside_baseline, 0)
+        peak = torch.cuda.max_memory_allocated(device) + outside
     else:
         # VmHWM, not getrusage's ru_maxrss: the latter keeps the parent's high-water mark across fork and exec.
         with open("/proc/self/status") as status:
             peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     return (peak - baseline) / 2**20
+
+
+def _cuda_memory_outside_torch(device: torch.device) -> int:
+    """Device memory in use that PyTorch's caching allocator does not hold: ONNX Runtime's CUDA arena (which
+    keeps its peak size), cuBLAS/cuDNN workspaces and loaded kernels."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
 
 
 def matmul_gflops(device: torch.device, size: int = 2048, repeats: int = 10) -> float:
@@ -281,6 +293,17 @@ class _Runner:
         self.times_ms: list[float] = []
         self.first_step_s = 0.0
 
+    def pytorch_fallback(self) -> str:
+        """What of an ORTModule's step ran in PyTorch instead (``""``: everything ran in ONNX Runtime)."""
+        if not isinstance(self.model, ORTModule):
+            return ""
+        stats = self.model.statistics
+        if stats.eager_signatures:
+            return "the whole model ran in PyTorch (ONNX Runtime could not build its graphs; see the warning)"
+        if stats.fallback_ops:
+            return f"{stats.fallback_ops} op(s) ran in PyTorch between ONNX Runtime partitions"
+        return ""
+
     def step(self) -> float:
         _sync(self.device)
         start = time.perf_counter()
@@ -320,6 +343,7 @@ def run_workload(
             floor_ratio=statistics.median(r.times_ms) / floor_ms,
             peak_memory_mib=peak_memory_mib(workload.name, r.name, device),
             step_ms_all=r.times_ms,
+            pytorch_fallback=r.pytorch_fallback(),
         )
         for r in runners
     }
@@ -403,6 +427,8 @@ def format_report(report: BenchReport) -> str:
                 f"{result.workload:<12}{name:<10}{r.step_ms:>9.1f}{r.speedup_vs_eager:>9.2f}x{result.floor_ms:>10.1f}"
                 f"{r.floor_ratio:>8.2f}x{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
             )
+            if r.pytorch_fallback:
+                lines.append(f"{'':<12}  ^ not all ONNX Runtime: {r.pytorch_fallback}")
         lines.append(
             f"{'':<12}({result.matmul_gflop:.1f} GFLOP of matrix products per step; "
             f"max |loss eager - loss ORT| {result.max_abs_loss_diff_ort:.1e})"

@@ -28,13 +28,13 @@ def leaf_tensors(value: Any) -> list[torch.Tensor]:
 
 def weighted_loss(output: Any) -> torch.Tensor:
     """A scalar depending on every differentiable output, with fixed pseudo-random cotangents."""
-    total = torch.zeros(())
+    terms = []
     g = torch.Generator().manual_seed(1234)
     for tensor in leaf_tensors(output):
         if tensor.requires_grad and tensor.is_floating_point():
-            weights = torch.randn(tensor.shape, generator=g)
-            total = total + (tensor * weights).sum()
-    return total
+            weights = torch.randn(tensor.shape, generator=g).to(tensor.device)
+            terms.append((tensor * weights).sum())
+    return sum(terms[1:], start=terms[0]) if terms else torch.zeros(())
 
 
 def assert_same_structure(actual: Any, expected: Any) -> None:

@@ -44,6 +44,7 @@ def test_quick_benchmark_runs_all_reference_workloads_and_a_user_module(tmp_path
             assert len(runtime["step_ms_all"]) == 2
             assert runtime["first_step_s"] > 0
             assert runtime["peak_memory_mib"] > 0
+            assert runtime["pytorch_fallback"] == "", "a reference workload must run wholly in ONNX Runtime"
     assert report["workloads"][0]["matmul_gflop"] == pytest.approx(43, rel=0.1)
     assert report["lightning"]["workload"] == "transformer"
     for line in ("vs eager", "x floor", "first step s", "peak MiB", "Trainer(strategy='ort')"):
@@ -61,3 +62,16 @@ def test_matmul_flops_of_the_mlp_step() -> None:
 def test_module_spec_errors_name_the_expected_form() -> None:
     with pytest.raises(ValueError, match=r"package\.module:factory"):
         bench.load_factory("no_colon_here")
+
+
+def test_report_marks_an_ort_row_that_ran_in_pytorch() -> None:
+    def row(fallback: str = "") -> bench.RuntimeResult:
+        return bench.RuntimeResult(10.0, 1.0, 0.1, 2.0, 100.0, [10.0], pytorch_fallback=fallback)
+
+    ort_row = row("the whole model ran in PyTorch (ONNX Runtime could not build its graphs; see the warning)")
+    result = bench.WorkloadResult("mlp", 1.0, 5.0, {"eager": row(), "ort": ort_row}, 0.0)
+    report = bench.BenchReport("cpu", "2.13", "1.31", 2, 100.0, 1, [result], None)
+    lines = bench.format_report(report).splitlines()
+    marked = [i for i, line in enumerate(lines) if "not all ONNX Runtime" in line]
+    assert len(marked) == 1 and lines[marked[0] - 1].split()[1] == "ort"
+    assert "whole model ran in PyTorch" in lines[marked[0]]

@@ -95,3 +95,20 @@ def test_variable_lengths_build_two_graphs_on_cuda() -> None:
         ids = torch.randint(0, 64, (2, length), device="cuda")
         torch.testing.assert_close(wrapped(ids), eager(ids), rtol=1e-3, atol=1e-3)
     assert wrapped.statistics.cache_misses == 2
+
+
+def test_a_side_stream_waits_for_and_sees_the_graphs_results() -> None:
+    # Sessions run on the stream current when they were made; under another one the run first waits for that
+    # stream's work (here: the input written on it) and ends synchronised.
+    torch.manual_seed(0)
+    eager = CausalLM().cuda()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    wrapped(ids)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        flipped = ids.flip(1)
+        actual = wrapped(flipped) * 2
+        expected = eager(flipped) * 2
+    side.synchronize()
+    torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-3)

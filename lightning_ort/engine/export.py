@@ -228,9 +228,10 @@ def export_graph(
     symbolic = any(_is_symbolic(value) for value in example_inputs)
     dropped = _inline_size_inputs(gm, example_inputs) if symbolic else ()
     tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
+    device = next((value.device for value in tensor_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
     fake_mode = detect_fake_mode(example_inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        noise, noise_examples = _lift_random_ops(gm)
+        noise, noise_examples = _lift_random_ops(gm, device)
     layout, outputs = _normalise_outputs(gm, saved_from)
     gm.recompile()
     inputs: tuple[Any, ...] = (*tensor_inputs, *noise_examples)
@@ -254,7 +255,7 @@ def export_graph(
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
-    on_cpu = all(value.device.type == "cpu" for value in tensor_inputs if isinstance(value, torch.Tensor))
+    on_cpu = device.type == "cpu"
     split = split_gemm_bias(model) if on_cpu else 0  # measured on CPU only
     fused = fuse_transposed_operands(model)
     blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
@@ -299,7 +300,7 @@ def _dynamic_dims(value: torch.Tensor) -> dict[int, Any] | None:
 def _concrete(value: torch.Tensor) -> torch.Tensor:
     """A real tensor shaped like ``value`` at the sizes the trace saw (symbolic export needs real inputs)."""
     shape = [size.node.hint if isinstance(size, torch.SymInt) else int(size) for size in value.shape]
-    return torch.zeros(shape, dtype=value.dtype)
+    return torch.zeros(shape, dtype=value.dtype, device=value.device)
 
 
 def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, ...]:
@@ -459,7 +460,7 @@ def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 
 
-def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.Tensor]]:
+def _lift_random_ops(gm: torch.fx.GraphModule, device: torch.device) -> tuple[list[Noise], list[torch.Tensor]]:
     graph = gm.graph
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
     noises: list[Noise] = []
@@ -469,7 +470,7 @@ def _lift_random_ops(gm: torch.fx.GraphModule) -> tuple[list[Noise], list[torch.
         nonlocal last_placeholder
         with graph.inserting_after(last_placeholder):
             node = graph.placeholder(f"noise_{len(noises)}")
-        example = torch.zeros(tuple(shape), dtype=noise.dtype)
+        example = torch.zeros(tuple(shape), dtype=noise.dtype, device=device)
         node.meta["val"] = example
         last_placeholder = node
         noises.append(noise)

@@ -62,6 +62,7 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
         options = {
             "device_id": str(device.index if device.index is not None else torch.cuda.current_device()),
             "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
+            "use_tf32": "1" if torch_allows_tf32_matmul() else "0",
         }
         names = list(settings.providers) if settings.providers else ["CUDAExecutionProvider", "CPUExecutionProvider"]
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -73,6 +74,19 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
     if device.type != "cpu":
         raise RuntimeError(f"ORTModule runs on CPU and CUDA tensors, got tensors on {device}.")
     return list(settings.providers) if settings.providers else ["CPUExecutionProvider"]
+
+
+def torch_allows_tf32_matmul() -> bool:
+    """Whether PyTorch lets float32 matrix products on CUDA use TF32 (``torch.set_float32_matmul_precision``).
+
+    ONNX Runtime's CUDA provider uses TF32 unless told otherwise; PyTorch does not by default. The sessions
+    follow PyTorch's setting when they are created, so that ORTModule computes what eager PyTorch computes.
+
+    Example:
+        >>> torch_allows_tf32_matmul() == (torch.get_float32_matmul_precision() != "highest")
+        True
+    """
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def provider_names(device: torch.device, settings: SessionSettings) -> list[str]:
@@ -153,6 +167,9 @@ class GraphSession:
             ) from err
         self._input_names = [i.name for i in self._session.get_inputs()]
         self._output_names = [o.name for o in self._session.get_outputs()]
+        self._stream = _session_stream(providers)
+        self._unsynchronized = ort.RunOptions()
+        self._unsynchronized.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self.runs = 0
 
     @property
@@ -182,7 +199,7 @@ class GraphSession:
         if self._release_torch_threads:
             release_openmp_threads()
         try:
-            self._session.run_with_iobinding(binding)
+            self._session.run_with_iobinding(binding, self._run_options())
         except Exception as err:
             raise SessionError(
                 f"ONNX Runtime failed while running the {self.name} graph: {err}\n"
@@ -195,6 +212,23 @@ class GraphSession:
             values = binding.get_outputs()
             outputs = [_from_onnx_runtime(value, spec.dtype) for value, spec in zip(values, graph.outputs)]
         return graph.layout.place(outputs, inputs, env)
+
+    def _run_options(self) -> ort.RunOptions | None:
+        """Run without waiting for the GPU when PyTorch's current stream is the one ONNX Runtime runs on.
+
+        ONNX Runtime otherwise synchronises its CUDA stream at the end of every run, so the CPU could not queue
+        the next kernels while the GPU works. On the same stream, PyTorch's later kernels (the loss, the
+        optimizer) and its caching allocator's reuse of the inputs' memory are ordered after the graph's
+        kernels, as they are after its own. Under another stream (``torch.cuda.stream(...)``), that stream's
+        work so far is waited for first and the run ends synchronised, so its outputs are complete there too.
+        """
+        if self._stream is None:
+            return None
+        current = torch.cuda.current_stream(self._device)
+        if current.cuda_stream == self._stream.cuda_stream:
+            return self._unsynchronized
+        self._stream.wait_stream(current)
+        return None
 
     def _bind_outputs(self, binding: ort.IOBinding, env: dict[sympy.Symbol, int]) -> list[torch.Tensor] | None:
         """Bind the outputs: to new PyTorch tensors (returned) on CUDA; to ONNX Runtime's arena on CPU (``None``:
@@ -217,6 +251,15 @@ class GraphSession:
         for name, tensor in zip(self._output_names, outputs):
             _bind(binding.bind_output, name, tensor)
         return outputs
+
+
+def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.cuda.ExternalStream | None:
+    """The CUDA stream a session was told to run on (``user_compute_stream``), or ``None`` without one."""
+    for provider in providers:
+        if not isinstance(provider, str) and "user_compute_stream" in provider[1]:
+            options = provider[1]
+            return torch.cuda.ExternalStream(int(options["user_compute_stream"]), device=int(options["device_id"]))
+    return None
 
 
 # "Could not find an implementation for MatMul(13) node with name 'node_mm'" (no kernel) and

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from lightning_ort.engine.export import Noise
+from lightning_ort.engine.decompositions import capture_decompositions
+from lightning_ort.engine.export import Noise, export_graph
 
 CPU = torch.device("cpu")
 
@@ -48,3 +51,18 @@ def test_draws_follow_torch_manual_seed() -> None:
     assert torch.equal(noise.draw(CPU), first)
     assert torch.equal(noise.draw(CPU), second)
     assert not torch.equal(first, second)
+
+
+def test_graphs_on_cuda_get_their_noise_inputs_on_cuda() -> None:
+    # Fake CUDA tensors need no GPU. The lifted dropout input used to be a CPU tensor, so torch.export failed on
+    # every CUDA graph with dropout ("found two different devices cuda:0, cpu") and ORTModule ran it eagerly.
+    with FakeTensorMode():
+        x, w = torch.empty(8, 16, device="cuda"), torch.empty(16, 4, device="cuda")
+
+    def dropout_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(x @ w, 0.1, training=True).relu()
+
+    gm = make_fx(dropout_product, decomposition_table=capture_decompositions("cuda"))(x, w)
+    graph = export_graph(gm, [x, w], "forward", verbose=False)
+    assert [noise.kind for noise in graph.noise] == ["threshold"]
+    assert len(graph.model.graph.input) == 3
