@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_ort import DebugOptions, ORTModule
+from lightning_ort.engine import decompositions
 from lightning_ort.engine.decompositions import (
     capture_decompositions,
     convolution_backward,
@@ -50,6 +51,41 @@ def test_matches_aten(dims: int, kernel: int, stride: int, padding: int, dilatio
     actual = convolution_backward(gy, x, w, [16], *args, [True, True, True])
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("column_bytes", [decompositions.COLUMN_BYTES, 4096])
+@pytest.mark.parametrize(("size", "stride"), [(9, 1), (5, 2)])
+def test_weight_gradient_in_batch_parts_matches_aten(
+    monkeypatch: pytest.MonkeyPatch, column_bytes: int, size: int, stride: int
+) -> None:
+    """4096 bytes splits the 5 images' columns (8 channels x 9 taps) into parts of 1 or 2 images; 5x5 at stride 2
+    has fewer output positions (9) than output channels (16), the folded product."""
+    monkeypatch.setattr(decompositions, "COLUMN_BYTES", column_bytes)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, size, size, generator=g, dtype=torch.float64)
+    w = torch.randn(16, 8, 3, 3, generator=g, dtype=torch.float64)
+    args = ([stride] * 2, [1, 1], [1, 1], False, [0, 0], 1)
+    gy = torch.randn(aten.convolution(x, w, None, *args).shape, generator=g, dtype=torch.float64)
+    expected = aten.convolution_backward(gy, x, w, None, *args, [False, True, False])[1]
+    torch.testing.assert_close(convolution_backward(gy, x, w, None, *args, [False, True, False])[1], expected)
+
+
+def test_large_columns_are_unfolded_in_parts_in_the_exported_graph(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(decompositions, "COLUMN_BYTES", 8 * 16 * 9 * 36 * 4)  # the columns of 8 of the 20 images
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3, padding=1))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    x = torch.randn(20, 3, 8, 8)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    graph = onnx.load(str(tmp_path / "backward.onnx")).graph
+    depthwise = [n for n in graph.node if n.op_type == "Conv" and any(a.name == "group" for a in n.attribute)]
+    unfolds = [n for n in depthwise if next(a.i for a in n.attribute if a.name == "group") == 16]
+    assert len(unfolds) == 3, [n.name for n in unfolds]  # 7 + 7 + 6 images
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_respects_output_mask_and_declines_transposed() -> None:
