@@ -12,6 +12,8 @@ import torch
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine import decompositions
 from lightning_ort.engine.decompositions import (
+    batch_norm_backward,
+    batch_norm_functional,
     capture_decompositions,
     convolution_backward,
     dropout,
@@ -103,6 +105,56 @@ def test_table_covers_ops_without_onnx_translation() -> None:
         assert aten._native_batch_norm_legit_functional.default in table
     assert capture_decompositions("cpu")[aten.threshold_backward.default] is threshold_backward
     assert capture_decompositions("cuda")[aten.threshold_backward.default] is not threshold_backward  # ATen's
+
+
+@pytest.mark.parametrize("shape", [(16, 3), (8, 3, 7), (4, 3, 5, 5), (2, 3, 3, 4, 4)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_training_forward_and_backward_match_aten(shape: tuple[int, ...], affine: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3 + 2
+    w, b = (torch.rand(3, generator=g), torch.randn(3, generator=g)) if affine else (None, None)
+    stats = (torch.randn(3, generator=g), torch.rand(3, generator=g))
+    ours = batch_norm_functional(x, w, b, *stats, True, 0.1, 1e-5)
+    theirs = aten._native_batch_norm_legit_functional(x, w, b, *stats, True, 0.1, 1e-5)
+    for a, e in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(shape, generator=g)
+    for mask in ([True, True, True], [True, False, False], [False, True, True]):
+        args = (grad, x, w, *stats, ours[1], ours[2], True, 1e-5, mask)
+        expected = aten.native_batch_norm_backward(*args)
+        for wanted, a, e in zip(mask, batch_norm_backward(*args), expected, strict=True):
+            assert (a is not None) == wanted
+            if wanted:
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_norm_outside_float32_training_is_atens() -> None:
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    stats = (torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+    for training in (True, False):
+        ours = batch_norm_functional(x, None, None, *stats, training, 0.1, 1e-5)
+        theirs = aten._native_batch_norm_legit_functional(x, None, None, *stats, training, 0.1, 1e-5)
+        for a, e in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, e)
+
+
+def test_batch_norm_trains_through_one_onnx_batch_normalization_per_layer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4)
+    )
+    eager(torch.randn(2, 3, 6, 6))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    x = torch.randn(16, 3, 6, 6) * 2 + 5
+    for model in (eager, wrapped):
+        model(x).square().sum().backward()
+    forward = [n.op_type for n in onnx.load(str(tmp_path / "forward.onnx")).graph.node]
+    backward = [n.op_type for n in onnx.load(str(tmp_path / "backward.onnx")).graph.node]
+    assert forward.count("BatchNormalization") == 1 and backward.count("BatchNormalization") == 1
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
+    for theirs, ours in zip(eager.buffers(), wrapped.module.buffers(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.25])
