@@ -2,7 +2,7 @@
 
 Core ATen decompositions, plus:
 
-* training-mode batch norm as reductions for the batch statistics and ONNX ``BatchNormalization`` (inference
+* on CPU, training-mode batch norm as reductions for the batch statistics and ONNX ``BatchNormalization`` (inference
   form, given those statistics) for the normalisation, and its backward with that same per-channel affine node
   (ONNX Runtime's training-mode ``BatchNormalization`` is no faster on CPU, 2.5 ms for a 64x32x32x32 batch
   norm and ReLU either way, and does not give the centred input that the backward reuses);
@@ -590,7 +590,9 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
 
     ``select_backward`` stays whole so that :mod:`lightning_ort.engine.rewrites` can turn sums of them into
     one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` replaces ATen's
-    exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel is not slower than a ``Mul``.
+    exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel is not slower than a ``Mul``. The batch
+    norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`) are CPU only too: they were measured
+    on CPU only, and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below 1e-5 to 1e-5.
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)
@@ -604,11 +606,16 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
                 aten.native_dropout,
             ]
         ),
-        aten._native_batch_norm_legit_functional.default: batch_norm_functional,
-        aten.native_batch_norm_backward.default: batch_norm_backward,
         aten._safe_softmax.default: safe_softmax,
         aten.convolution_backward.default: convolution_backward,
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,
-        **({aten.threshold_backward.default: threshold_backward} if device_type == "cpu" else {}),
+        **(_CPU_ONLY if device_type == "cpu" else {}),
     }
+
+
+_CPU_ONLY: dict[Any, Callable[..., Any]] = {
+    aten.threshold_backward.default: threshold_backward,
+    aten._native_batch_norm_legit_functional.default: batch_norm_functional,
+    aten.native_batch_norm_backward.default: batch_norm_backward,
+}

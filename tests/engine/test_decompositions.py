@@ -103,8 +103,13 @@ def test_table_covers_ops_without_onnx_translation() -> None:
         table = capture_decompositions(device_type)
         assert aten.convolution_backward.default in table
         assert aten._native_batch_norm_legit_functional.default in table
-    assert capture_decompositions("cpu")[aten.threshold_backward.default] is threshold_backward
-    assert capture_decompositions("cuda")[aten.threshold_backward.default] is not threshold_backward  # ATen's
+    cpu, cuda = capture_decompositions("cpu"), capture_decompositions("cuda")
+    assert cpu[aten.threshold_backward.default] is threshold_backward
+    assert cuda[aten.threshold_backward.default] is not threshold_backward  # ATen's
+    assert cpu[aten._native_batch_norm_legit_functional.default] is batch_norm_functional
+    assert cuda[aten._native_batch_norm_legit_functional.default] is not batch_norm_functional
+    assert cpu[aten.native_batch_norm_backward.default] is batch_norm_backward
+    assert cuda[aten.native_batch_norm_backward.default] is not batch_norm_backward
 
 
 @pytest.mark.parametrize("shape", [(16, 3), (8, 3, 7), (4, 3, 5, 5), (2, 3, 3, 4, 4)])
