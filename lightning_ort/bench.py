@@ -3,7 +3,8 @@
 ``python -m lightning_ort.bench`` runs each reference workload (``transformer``, ``mlp``, ``cnn``) or your own
 (``--module pkg.mod:factory``) with the three runtimes in alternation, blocks of steps at a time, and prints
 the median steady-state step (forward, backward, AdamW), its ratio to eager (``> 1`` is faster than eager),
-the first step's cost (ORT: capture, export and session creation; inductor: compilation), the peak memory
+the first step's cost (ORT: capture, export and session creation; inductor: compilation, with an empty
+inductor cache unless ``--warm-inductor-cache``: ORT's first step is a cold export too), the peak memory
 (measured in a fresh process per runtime) and the step's distance to the matrix-product floor of this
 machine, measured in the same run. It then times ``Trainer(strategy="ort")`` against a plain loop over an
 ORTModule of the first workload.
@@ -15,16 +16,19 @@ a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tens
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,7 +195,8 @@ class LightningResult:
 
 @dataclass
 class BenchReport:
-    """Everything one benchmark run measured."""
+    """Everything one benchmark run measured; ``inductor_cache`` says whether inductor's first step started from
+    an empty cache (``"cold"``, the default) or from the one it found (``"warm"``)."""
 
     device: str
     torch_version: str
@@ -201,6 +206,7 @@ class BenchReport:
     steps: int
     workloads: list[WorkloadResult]
     lightning: LightningResult | None
+    inductor_cache: str = "cold"
 
 
 def peak_memory_mib(workload_spec: str, runtime: str, device: torch.device) -> float:
@@ -416,7 +422,7 @@ def format_report(report: BenchReport) -> str:
         f"lightning_ort benchmark on {report.device} ({report.threads} threads), torch {report.torch_version}, "
         f"onnxruntime {report.onnxruntime_version}",
         f"matrix-product rate: {report.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
-        f"median of {report.steps} steps",
+        f"median of {report.steps} steps; inductor's first step with a {report.inductor_cache} cache",
         "",
         f"{'workload':<12}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
         f"{'first step s':>14}{'peak MiB':>10}",
@@ -443,6 +449,35 @@ def format_report(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def inductor_cache(cold: bool) -> Iterator[str]:
+    """Point inductor at an empty, temporary cache folder (``cold``) or leave its cache as it is; yields the folder.
+
+    A warm cache (left by earlier compiles of the same graphs, e.g. a previous run) turns inductor's first step
+    from a compilation into a cache load, which is not what the first-step column compares ORT's export with.
+    ``TORCHINDUCTOR_CACHE_DIR`` is restored afterwards; the memory probes' processes inherit it.
+
+    Example:
+        >>> with inductor_cache(cold=True) as folder:
+        ...     os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder and not os.listdir(folder)
+        True
+    """
+    if not cold:
+        yield os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+        return
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    folder = tempfile.mkdtemp(prefix="lightning_ort_bench_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -460,6 +495,11 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
     parser.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+    parser.add_argument(
+        "--warm-inductor-cache",
+        action="store_true",
+        help="let inductor use its existing on-disk cache (default: an empty one, so its first step compiles)",
+    )
     parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -474,7 +514,8 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         print(json.dumps({"peak_mib": _memory_probe(workloads[0], args.memory_probe, device)}))
         sys.exit(0)
     gflops = matmul_gflops(device)
-    results = [run_workload(w, device, args.steps, args.warmup, gflops) for w in workloads]
+    with inductor_cache(cold=not args.warm_inductor_cache):
+        results = [run_workload(w, device, args.steps, args.warmup, gflops) for w in workloads]
     lightning = None if args.no_lightning else run_lightning(workloads[0], device, args.steps, args.warmup)
     report = BenchReport(
         device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
@@ -485,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         steps=args.steps,
         workloads=results,
         lightning=lightning,
+        inductor_cache="warm" if args.warm_inductor_cache else "cold",
     )
     print(format_report(report))
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +48,26 @@ def test_quick_benchmark_runs_all_reference_workloads_and_a_user_module(tmp_path
             assert runtime["pytorch_fallback"] == "", "a reference workload must run wholly in ONNX Runtime"
     assert report["workloads"][0]["matmul_gflop"] == pytest.approx(43, rel=0.1)
     assert report["lightning"]["workload"] == "transformer"
-    for line in ("vs eager", "x floor", "first step s", "peak MiB", "Trainer(strategy='ort')"):
+    assert report["inductor_cache"] == "cold"
+    for line in ("vs eager", "x floor", "first step s", "peak MiB", "Trainer(strategy='ort')", "with a cold cache"):
         assert line in result.stdout
+
+
+@pytest.mark.parametrize("previous", [None, "/somewhere/else"])
+def test_cold_inductor_cache_is_an_empty_folder_removed_afterwards(
+    monkeypatch: pytest.MonkeyPatch, previous: str | None
+) -> None:
+    if previous is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", previous)
+    with bench.inductor_cache(cold=True) as folder:
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder != previous
+        Path(folder, "compiled").write_text("x")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == previous
+    assert not Path(folder).exists()
+    with bench.inductor_cache(cold=False) as folder:
+        assert folder == (previous or "")
 
 
 def test_matmul_flops_of_the_mlp_step() -> None:
