@@ -157,15 +157,15 @@ def _unfolded_weight_grad(
     part_size = batch
     if taps > 1 and isinstance(batch, int):
         column_bytes = batch * channels * taps * math.prod(out) * input.element_size()
-        part_size = -(-batch // -(-column_bytes // COLUMN_BYTES)) if isinstance(column_bytes, int) else batch
+        if isinstance(column_bytes, int) and column_bytes > COLUMN_BYTES:
+            part_size = math.ceil(batch / math.ceil(column_bytes / COLUMN_BYTES))
     if part_size == batch:
         grad_weight = _columns_times_grad(unfold(input), grad_output)
     else:
-        parts = range(0, batch, part_size)
-        grad_weight = sum(
-            (_columns_times_grad(unfold(input[i : i + part_size]), grad_output[i : i + part_size]) for i in parts[1:]),
-            start=_columns_times_grad(unfold(input[:part_size]), grad_output[:part_size]),
-        )
+        grad_weight = _columns_times_grad(unfold(input[:part_size]), grad_output[:part_size])
+        for first in range(part_size, batch, part_size):
+            part = slice(first, first + part_size)
+            grad_weight = grad_weight + _columns_times_grad(unfold(input[part]), grad_output[part])
     return grad_weight.t().reshape(out_channels, channels, *kernel)
 
 
