@@ -237,13 +237,11 @@ def batch_norm_functional(
     parameters = [t for t in (weight, bias, running_mean, running_var) if t is not None]
     if not training or any(t.dtype != torch.float32 for t in (input, *parameters)):
         return _ATEN_BATCH_NORM_FUNCTIONAL(input, weight, bias, running_mean, running_var, training, momentum, eps)
-    dims = [0, *range(2, input.dim())]
-    per_channel = [1, input.shape[1], *([1] * (input.dim() - 2))]
+    dims, per_channel, count = _channel_layout(input)
     mean = input.mean(dims)
     centred = input - mean.reshape(per_channel)
     var = (centred * centred).mean(dims)
     output = aten._native_batch_norm_legit_no_training.default(input, weight, bias, mean, var, momentum, eps)[0]
-    count = input.numel() // input.shape[1]
     new_running_mean = momentum * mean + (1 - momentum) * running_mean
     new_running_var = momentum * var * (count / max(count - 1, 1)) + (1 - momentum) * running_var
     return output, mean, torch.rsqrt(var + eps), new_running_mean, new_running_var
@@ -281,15 +279,13 @@ def batch_norm_backward(
         return _ATEN_BATCH_NORM_BACKWARD(
             grad_output, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
         )
-    dims = [0, *range(2, input.dim())]
-    per_channel = [1, input.shape[1], *([1] * (input.dim() - 2))]
+    dims, per_channel, count = _channel_layout(input)
     centred = input - save_mean.reshape(per_channel)
     grad_sum = grad_output.sum(dims)
     dot = (grad_output * centred).sum(dims)
     grad_input = None
     if output_mask[0]:
         scale = save_invstd if weight is None else save_invstd * weight
-        count = input.numel() // input.shape[1]
         projection = -(dot * save_invstd * save_invstd / count) * scale
         zeros, ones = torch.zeros_like(grad_sum), torch.ones_like(grad_sum)
         affine = aten._native_batch_norm_legit_no_training.default(
@@ -299,6 +295,13 @@ def batch_norm_backward(
     grad_weight = dot * save_invstd if output_mask[1] else None
     grad_bias = grad_sum if output_mask[2] else None
     return grad_input, grad_weight, grad_bias
+
+
+def _channel_layout(input: torch.Tensor) -> tuple[list[int], list[int], Any]:
+    """Batch norm's reduction dims (all but channels), the shape a per-channel vector broadcasts with, and the
+    number of values each channel's statistics cover."""
+    dims = [0, *range(2, input.dim())]
+    return dims, [1, input.shape[1], *([1] * (input.dim() - 2))], input.numel() // input.shape[1]
 
 
 _ATEN_BATCH_NORM_BACKWARD = get_decompositions([aten.native_batch_norm_backward])[
