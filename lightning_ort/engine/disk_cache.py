@@ -158,15 +158,13 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_FORMAT = "6"
+_FORMAT = "7"
 
 
 def _encode(graph: ExportedGraph) -> bytes:
     header = json.dumps(
         {
-            "noise": [
-                [n.kind, _sizes_to_json(n.shape), str(n.dtype), n.compare, n.threshold, n.scale] for n in graph.noise
-            ],
+            "noise": [[n.kind, _sizes_to_json(n.shape), str(n.dtype), n.compare, n.threshold] for n in graph.noise],
             "outputs": [[_sizes_to_json(o.shape), str(o.dtype)] for o in graph.outputs],
             "layout": [_source_to_json(source) for source in graph.layout.sources],
             "symbols": [[str(symbol), index, dim] for symbol, (index, dim) in graph.symbols.items()],
@@ -187,8 +185,8 @@ def _decode(data: bytes, name: str) -> ExportedGraph:
     header = json.loads(payload[4 : 4 + length])
     model = onnx.load_model_from_string(payload[4 + length :])
     noise = [
-        Noise(kind, _sizes_from_json(shape), _dtype(dtype), compare, threshold, scale)
-        for kind, shape, dtype, compare, threshold, scale in header["noise"]
+        Noise(kind, _sizes_from_json(shape), _dtype(dtype), compare, threshold)
+        for kind, shape, dtype, compare, threshold in header["noise"]
     ]
     outputs = [OutputSpec(_sizes_from_json(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
     layout = OutputLayout(tuple(_source_from_json(source) for source in header["layout"]))

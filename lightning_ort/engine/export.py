@@ -36,6 +36,7 @@ from torch.utils._sympy.functions import FloorDiv
 from lightning_ort.engine.decompositions import DROPOUT_KEEP
 from lightning_ort.engine.dynamic import evaluate, symbolic_size
 from lightning_ort.engine.onnx_rewrites import (
+    dequantize_scaled_masks,
     fuse_transposed_operands,
     nchwc_block_size,
     split_gemm_bias,
@@ -131,15 +132,15 @@ class Noise:
 
     ``kind`` is ``"uniform"`` (``torch.rand``), ``"normal"`` (``torch.randn``) or ``"threshold"``: a mask
     ``u <compare> threshold`` for ``u`` uniform on [0, 1), drawn from 16 random bits per element (see
-    :func:`_lift_uniform_threshold`); boolean, or of a floating ``dtype`` with ``scale`` where it holds and 0
-    elsewhere (dropout's scaled keep mask, :func:`lightning_ort.engine.decompositions.dropout_keep`).
+    :func:`_lift_uniform_threshold`), as ``bool`` or as ``uint8`` 0/1 (dropout's keep mask,
+    :func:`lightning_ort.engine.decompositions.dropout_keep`).
 
     Example:
         >>> Noise("threshold", (2, 3), torch.bool, compare="gt", threshold=0.5).draw(torch.device("cpu")).dtype
         torch.bool
-        >>> keep = Noise("threshold", (1000,), torch.float32, "gt", 0.5, scale=2.0).draw(torch.device("cpu"))
-        >>> sorted(keep.unique().tolist())
-        [0.0, 2.0]
+        >>> keep = Noise("threshold", (1000,), torch.uint8, "gt", 0.5).draw(torch.device("cpu"))
+        >>> keep.dtype, sorted(keep.unique().tolist())
+        (torch.uint8, [0, 1])
     """
 
     kind: str
@@ -147,7 +148,6 @@ class Noise:
     dtype: torch.dtype
     compare: str = ""
     threshold: float = 0.0
-    scale: float = 1.0
 
     def draw(self, device: torch.device, env: dict[sympy.Symbol, int] | None = None) -> torch.Tensor:
         """A fresh sample; ``env`` gives the values of symbolic sizes."""
@@ -158,15 +158,9 @@ class Noise:
             return torch.randn(shape, dtype=self.dtype, device=device)
         limit = self._integer_threshold()
         if not -(2**15) <= limit < 2**15:  # every 16-bit value compares like 0 with an out-of-range limit
-            kept = getattr(operator, self.compare)(0, limit)
-            value = kept if self.dtype == torch.bool else self.scale * kept
-            return torch.full(shape, value, dtype=self.dtype, device=device)
+            return torch.full(shape, getattr(operator, self.compare)(0, limit), dtype=self.dtype, device=device)
         bits = _random_int16(math.prod(shape), device).view(shape)
-        compare = getattr(torch, self.compare)
-        if self.dtype == torch.bool:
-            return compare(bits, limit)
-        mask = torch.empty(shape, dtype=self.dtype, device=device)
-        return compare(bits, limit, out=mask).mul_(self.scale)
+        return getattr(torch, self.compare)(bits, limit).view(self.dtype)
 
     def _integer_threshold(self) -> int:
         """The integer ``limit`` with ``bits <compare> limit`` exactly when ``u <compare> threshold``.
@@ -259,14 +253,16 @@ def export_graph(
     split = split_gemm_bias(model) if on_cpu else 0  # measured on CPU only
     fused = fuse_transposed_operands(model)
     blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
+    masks = dequantize_scaled_masks(model) if on_cpu else 0
     log.debug(
         "exported %s graph: %d nodes (%d biases split from Gemm, %d transposed matmul operands fused, "
-        "%d convolutions on NCHWc kernels), %d inputs, %d outputs",
+        "%d convolutions on NCHWc kernels, %d masks scaled by DequantizeLinear), %d inputs, %d outputs",
         name,
         len(model.graph.node),
         split,
         fused,
         blocked,
+        masks,
         len(inputs),
         len(outputs),
     )
@@ -491,7 +487,7 @@ def _lift_random_ops(gm: torch.fx.GraphModule, device: torch.device) -> tuple[li
             _lift_bernoulli(graph, node, new_input)
         elif node.target is DROPOUT_KEEP:
             p = _scalar(node.args[1])
-            keep = Noise("threshold", _sizes(val.shape), val.dtype, "gt", p, scale=1.0 / (1.0 - p))
+            keep = Noise("threshold", _sizes(val.shape), val.dtype, "gt", p)
             node.replace_all_uses_with(new_input(keep, val.shape))
             graph.erase_node(node)
     graph.eliminate_dead_code()

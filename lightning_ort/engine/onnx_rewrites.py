@@ -15,6 +15,8 @@
   NCHWc block runs ONNX Runtime's blocked-layout kernel (``com.microsoft.nchwc.Conv``), its weight reordered
   inside the graph. ONNX Runtime only makes that rewrite itself for weights that are constant initializers,
   and ours are graph inputs that change every step; its plain ``Conv`` multiplies one image at a time.
+* :func:`dequantize_scaled_masks` (CPU graphs): dropout's one-byte keep mask scaled to floats by a ``Cast`` and
+  a product becomes one ``DequantizeLinear``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import logging
 import os
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,6 +139,58 @@ def split_gemm_bias(model: onnx.ModelProto) -> int:
         del model.graph.node[:]
         model.graph.node.extend(nodes)
     return rewritten
+
+
+def dequantize_scaled_masks(model: onnx.ModelProto) -> int:
+    """Turn ``Mul(Cast(mask), scale)``, a ``uint8`` mask scaled to float32 by a scalar constant, into one
+    ``DequantizeLinear(mask, scale)``, in place.
+
+    Dropout's saved one-byte keep mask is scaled this way in the forward and in the backward graph
+    (:func:`lightning_ort.engine.decompositions.dropout`). ONNX Runtime's CPU ``Cast`` from ``uint8`` and the
+    product took 2.7 ms for 2M elements, its vectorised ``DequantizeLinear`` 1.3 ms. Only a ``Cast`` whose one
+    reader is the product is folded. Returns the number of products rewritten.
+
+    Example:
+        >>> cast = helper.make_node("Cast", ["m"], ["f"], to=onnx.TensorProto.FLOAT)
+        >>> mul = helper.make_node("Mul", ["f", "s"], ["y"], "node_mul")
+        >>> mask = helper.make_tensor_value_info("m", onnx.TensorProto.UINT8, [8])
+        >>> scale = helper.make_tensor("s", onnx.TensorProto.FLOAT, [], [1.25])
+        >>> model = helper.make_model(helper.make_graph([cast, mul], "g", [mask], [], [scale]))
+        >>> dequantize_scaled_masks(model), [n.op_type for n in model.graph.node]
+        (1, ['DequantizeLinear'])
+    """
+    graph = model.graph
+    values = _values(graph)
+    producers = {output: node for node in graph.node for output in node.output}
+    readers = Counter(name for node in graph.node for name in node.input)
+    readers.update(output.name for output in graph.output)
+    dequantized: dict[str, onnx.NodeProto] = {}  # a product's output -> the node that replaces the product
+    folded_casts: set[str] = set()
+    for node in graph.node:
+        if node.op_type != "Mul" or node.domain != "":
+            continue
+        for cast_output, scale in (node.input, node.input[::-1]):
+            cast = producers.get(cast_output)
+            if cast is None or cast.op_type != "Cast" or readers[cast_output] != 1:
+                continue
+            to = next((attr.i for attr in cast.attribute if attr.name == "to"), None)
+            mask, factor = values.get(cast.input[0]), values.get(scale)
+            if (
+                to == onnx.TensorProto.FLOAT
+                and mask is not None
+                and mask.elem_type == onnx.TensorProto.UINT8
+                and factor == _Value(onnx.TensorProto.FLOAT, ())
+            ):
+                dequantized[node.output[0]] = helper.make_node(
+                    "DequantizeLinear", [cast.input[0], scale], list(node.output), node.name
+                )
+                folded_casts.add(cast_output)
+                break
+    if dequantized:
+        nodes = [dequantized.get(node.output[0], node) for node in graph.node if node.output[0] not in folded_casts]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return len(dequantized)
 
 
 def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:

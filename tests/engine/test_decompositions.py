@@ -242,9 +242,12 @@ def test_dropout_trains_like_eager_dropout_through_onnx_runtime(inplace: bool) -
     assert 0.65 < float(keep.mean()) < 0.75
     torch.testing.assert_close(y, 2 * x.detach() * keep / (1 - p))
     torch.testing.assert_close(x.grad, 2 * grad * keep / (1 - p))
-    ops = {kind: [node.op_type for node in runner._graph.model.graph.node] for kind, runner in wrapped._cache.runners()}
+    graphs = {kind: runner._graph.model.graph for kind, runner in wrapped._cache.runners()}
+    ops = {kind: [node.op_type for node in graph.node] for kind, graph in graphs.items()}
     assert ops["forward"].count("Mul") == ops["backward"].count("Mul") == 2, ops
-    assert "Cast" not in ops["forward"] + ops["backward"], "the saved mask is already scaled floats"
+    assert ops["forward"].count("DequantizeLinear") == ops["backward"].count("DequantizeLinear") == 1, ops
+    saved = [value.type.tensor_type.elem_type for value in graphs["backward"].input]
+    assert saved.count(onnx.TensorProto.UINT8) == 1, "the mask is saved for the backward as one byte per element"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

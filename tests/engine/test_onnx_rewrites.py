@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.onnx_rewrites import (
     DISABLED_ORT_OPTIMIZERS,
+    dequantize_scaled_masks,
     fuse_transposed_operands,
     nchwc_block_size,
     split_gemm_bias,
@@ -133,6 +134,48 @@ def test_gemm_with_scaling_or_matrix_bias_is_left_whole() -> None:
     model = helper.make_model(helper.make_graph(nodes, "g", inputs, []))
     assert split_gemm_bias(model) == 0
     assert [n.op_type for n in model.graph.node] == ["Gemm"] * 4
+
+
+def _scaled_mask_model(mask_type: int, scale_dims: list[int], extra_reader: bool) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Cast", ["m"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["s", "f"], ["scaled"], "node_mul"),
+        helper.make_node("Mul", ["x", "scaled"], ["y"]),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])]
+    if extra_reader:
+        outputs.append(helper.make_tensor_value_info("f", TensorProto.FLOAT, [64]))
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [64]),
+        helper.make_tensor_value_info("m", mask_type, [64]),
+    ]
+    scale = helper.make_tensor("s", TensorProto.FLOAT, scale_dims, [1 / 0.9])
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [scale])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_scaled_mask_is_one_dequantize_node_with_the_same_values() -> None:
+    model = _scaled_mask_model(TensorProto.UINT8, [], extra_reader=False)
+    assert dequantize_scaled_masks(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["DequantizeLinear", "Mul"]
+    assert model.graph.node[0].name == "node_mul", "the node keeps the product's name (errors point at it)"
+    x = np.random.rand(64).astype(np.float32)
+    mask = (np.random.rand(64) > 0.1).astype(np.uint8)
+    (y,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x, "m": mask}
+    )
+    np.testing.assert_array_equal(y, x * (mask.astype(np.float32) * np.float32(1 / 0.9)))
+
+
+@pytest.mark.parametrize(
+    ("mask_type", "scale_dims", "extra_reader"),
+    [(TensorProto.BOOL, [], False), (TensorProto.UINT8, [1], False), (TensorProto.UINT8, [], True)],
+    ids=["boolean mask", "1-d scale", "cast read twice"],
+)
+def test_other_cast_products_are_left_alone(mask_type: int, scale_dims: list[int], extra_reader: bool) -> None:
+    model = _scaled_mask_model(mask_type, scale_dims, extra_reader)
+    assert dequantize_scaled_masks(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["Cast", "Mul", "Mul"]
 
 
 def _conv_model(

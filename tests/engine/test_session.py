@@ -153,7 +153,7 @@ def test_saved_tensors_leave_onnx_runtime_without_copies(monkeypatch: pytest.Mon
     # made by ONNX Runtime; they come out as views of other outputs or as the inputs themselves.
     def keep_all(noise: Noise, device: torch.device, env: dict[Any, int]) -> torch.Tensor:
         shape = tuple(evaluate(size, env) for size in noise.shape)
-        return torch.full(shape, noise.scale, device=device).to(noise.dtype)  # every element kept
+        return torch.ones(shape, dtype=noise.dtype, device=device)  # every element kept
 
     monkeypatch.setattr(Noise, "draw", keep_all)
     torch.manual_seed(0)
