@@ -159,8 +159,14 @@ class Noise:
         limit = self._integer_threshold()
         if not -(2**15) <= limit < 2**15:  # every 16-bit value compares like 0 with an out-of-range limit
             return torch.full(shape, getattr(operator, self.compare)(0, limit), dtype=self.dtype, device=device)
-        bits = _random_int16(math.prod(shape), device).view(shape)
-        return getattr(torch, self.compare)(bits, limit).view(self.dtype)
+        bits = _random_int16(math.prod(shape), device)
+        if device.type == "cpu":
+            # NumPy's int16 comparison is faster than PyTorch's: drawing the transformer benchmark's 16 masks
+            # (16.8M elements) took 34 ms against 39-48 ms
+            mask = torch.from_numpy(getattr(np, _NUMPY_COMPARISONS[self.compare])(bits.numpy(), limit))
+        else:
+            mask = getattr(torch, self.compare)(bits, limit)
+        return mask.view(self.dtype).view(shape)
 
     def _integer_threshold(self) -> int:
         """The integer ``limit`` with ``bits <compare> limit`` exactly when ``u <compare> threshold``.
@@ -171,6 +177,9 @@ class Noise:
         """
         bound = self.threshold * 65536.0 - 32768.0
         return math.floor(bound) if self.compare in ("gt", "le") else math.ceil(bound)
+
+
+_NUMPY_COMPARISONS = {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}
 
 
 def _random_int16(numel: int, device: torch.device) -> torch.Tensor:
