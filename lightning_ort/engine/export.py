@@ -159,14 +159,7 @@ class Noise:
         limit = self._integer_threshold()
         if not -(2**15) <= limit < 2**15:  # every 16-bit value compares like 0 with an out-of-range limit
             return torch.full(shape, getattr(operator, self.compare)(0, limit), dtype=self.dtype, device=device)
-        bits = _random_int16(math.prod(shape), device)
-        if device.type == "cpu":
-            # NumPy's int16 comparison is faster than PyTorch's: drawing the transformer benchmark's 16 masks
-            # (16.8M elements) took 34 ms against 39-48 ms
-            mask = torch.from_numpy(getattr(np, _NUMPY_COMPARISONS[self.compare])(bits.numpy(), limit))
-        else:
-            mask = getattr(torch, self.compare)(bits, limit)
-        return mask.view(self.dtype).view(shape)
+        return _threshold_mask(math.prod(shape), device, self.compare, limit).view(self.dtype).view(shape)
 
     def _integer_threshold(self) -> int:
         """The integer ``limit`` with ``bits <compare> limit`` exactly when ``u <compare> threshold``.
@@ -182,19 +175,22 @@ class Noise:
 _NUMPY_COMPARISONS = {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal"}
 
 
-def _random_int16(numel: int, device: torch.device) -> torch.Tensor:
-    """``numel`` uniformly random int16 values, drawn from PyTorch's generator for ``device``.
+def _threshold_mask(numel: int, device: torch.device, compare: str, limit: int) -> torch.Tensor:
+    """``bits <compare> limit`` for ``numel`` uniformly random int16 ``bits`` drawn from PyTorch's generator for
+    ``device``: a flat boolean mask.
 
     On CPU, PyTorch's generator (a serial Mersenne Twister) only draws the seed of a NumPy SFC64 generator,
-    which fills the bits twice as fast (2M values: 0.8 vs 1.6 ms); ``torch.manual_seed`` still fixes every mask.
+    which fills the bits twice as fast (2M values: 0.8 vs 1.6 ms), and NumPy compares them: its int16
+    comparison drew the transformer benchmark's 16 masks (16.8M elements) in 34 ms against 39-48 ms with
+    PyTorch's. ``torch.manual_seed`` still fixes every mask.
     """
     words = -(-numel // 4)
     if device.type != "cpu":
         bits = torch.empty(words, dtype=torch.int64, device=device).random_(-(2**63), None)
-        return bits.view(torch.int16)[:numel]
+        return getattr(torch, compare)(bits.view(torch.int16)[:numel], limit)
     seed = int(torch.empty((), dtype=torch.int64).random_())
-    raw = np.random.SFC64(seed).random_raw(words)
-    return torch.from_numpy(raw.view(np.int16)[:numel])
+    values = np.random.SFC64(seed).random_raw(words).view(np.int16)[:numel]
+    return torch.from_numpy(getattr(np, _NUMPY_COMPARISONS[compare])(values, limit))
 
 
 @dataclass
