@@ -10,6 +10,7 @@ from lightning_ort.engine.cache import CacheStatistics
 from lightning_ort.engine.capture import CaptureError, FallbackWarning
 from lightning_ort.engine.disk_cache import DiskCacheWarning
 from lightning_ort.engine.export import ExportError
+from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
 from lightning_ort.engine.session import SessionError
 from lightning_ort.module import ORTModule, ORTModuleError
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
@@ -24,14 +25,17 @@ __all__ = [
     "DiskCacheWarning",
     "ExportError",
     "FallbackWarning",
+    "KernelProfile",
     "LogLevel",
     "ORTCallback",
     "ORTDDPStrategy",
     "ORTModule",
     "ORTModuleError",
     "ORTSingleDeviceStrategy",
+    "OpTime",
     "SessionError",
     "SessionSettings",
+    "read_profiles",
 ]
 
 __version__ = "0.1.0"

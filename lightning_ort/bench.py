@@ -7,7 +7,9 @@ the first step's cost (ORT: capture, export and session creation; inductor: comp
 inductor cache unless ``--warm-inductor-cache``: ORT's first step is a cold export too), the peak memory
 (measured in a fresh process per runtime) and the step's distance to the matrix-product floor of this
 machine, measured in the same run. It then times ``Trainer(strategy="ort")`` against a plain loop over an
-ORTModule of the first workload.
+ORTModule of the first workload. ``--profile DIR`` also trains each workload's ORTModule with ONNX Runtime's
+profiler on, keeps the profiles (Chrome-trace JSON) in ``DIR`` and prints where a step's time goes: kernel time
+per op type, ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
 A factory for ``--module`` takes a :class:`torch.device` and returns ``(module, inputs, loss_fn)``: ``inputs``
 a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tensor.
@@ -22,6 +24,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -31,14 +34,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_ort.engine.profiling import KernelProfile
 from lightning_ort.module import ORTModule
+from lightning_ort.options import DebugOptions
 
 RUNTIMES = ("eager", "inductor", "ort")
 
@@ -194,6 +199,21 @@ class LightningResult:
 
 
 @dataclass
+class ProfileResult:
+    """ORTModule's steps on one workload with ONNX Runtime's profiler on; ``profile`` holds totals over ``steps``."""
+
+    workload: str
+    steps: int
+    step_ms: float
+    profile: KernelProfile
+
+    @property
+    def outside_ort_ms(self) -> float:
+        """Per step, the time outside ONNX Runtime's runs: the loss, autograd, AdamW and binding the tensors."""
+        return max(self.step_ms - self.profile.run_ms / self.steps, 0.0)
+
+
+@dataclass
 class BenchReport:
     """Everything one benchmark run measured; ``inductor_cache`` says whether inductor's first step started from
     an empty cache (``"cold"``, the default) or from the one it found (``"warm"``)."""
@@ -207,6 +227,7 @@ class BenchReport:
     workloads: list[WorkloadResult]
     lightning: LightningResult | None
     inductor_cache: str = "cold"
+    profiles: list[ProfileResult] = field(default_factory=list)
 
 
 def peak_memory_mib(workload_spec: str, runtime: str, device: torch.device) -> float:
@@ -284,14 +305,16 @@ def step_matmul_flops(workload: Workload) -> int:
 class _Runner:
     """One runtime's copy of the model, its optimizer and its step."""
 
-    def __init__(self, name: str, workload: Workload, device: torch.device) -> None:
+    def __init__(
+        self, name: str, workload: Workload, device: torch.device, debug_options: DebugOptions | None = None
+    ) -> None:
         model = copy.deepcopy(workload.model)
         self.name = name
         self.model: nn.Module = model
         if name == "inductor":
             self.model = torch.compile(model)  # type: ignore[assignment]
         elif name == "ort":
-            self.model = ORTModule(model)
+            self.model = ORTModule(model, debug_options)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.workload = workload
         self.device = device
@@ -356,6 +379,23 @@ def run_workload(
     ort_losses = runners[2].losses
     loss_diff = max(abs(a - b) for a, b in zip(runners[0].losses, ort_losses))
     return WorkloadResult(workload.name, flops / 1e9, floor_ms, results, loss_diff)
+
+
+def profile_workload(
+    workload: Workload, device: torch.device, steps: int, warmup: int, directory: Path
+) -> ProfileResult:
+    """Train an ORTModule of ``workload`` with ONNX Runtime's profiler on; profiles go to ``directory``.
+
+    The first step and ``warmup`` more are left out of the sums (each graph runs once per step).
+    """
+    torch.manual_seed(0)
+    debug = DebugOptions(profile=True, save_path=directory, onnx_prefix=re.sub(r"[^\w.-]", "_", workload.name))
+    runner = _Runner("ort", workload, device, debug)
+    for _ in range(1 + warmup):
+        runner.step()
+    times_ms = [runner.step() * 1e3 for _ in range(steps)]
+    profile = cast(ORTModule, runner.model).end_profiling(skip_runs=1 + warmup)
+    return ProfileResult(workload.name, steps, statistics.median(times_ms), profile)
 
 
 def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: int) -> LightningResult:
@@ -446,6 +486,18 @@ def format_report(report: BenchReport) -> str:
             f"Lightning on {light.workload}: Trainer(strategy='ort') {light.trainer_ms:.1f} ms/step, plain ORTModule "
             f"loop {light.plain_loop_ms:.1f} ms/step: {light.overhead:+.1%}",
         ]
+    for profiled in report.profiles:
+        profile = profiled.profile
+        lines += [
+            "",
+            f"ORT profile of {profiled.workload}, per step (median step {profiled.step_ms:.1f} ms with profiling: "
+            f"ONNX Runtime runs {profile.run_ms / profiled.steps:.1f} ms, outside them {profiled.outside_ort_ms:.1f} "
+            f"ms for the loss, autograd, AdamW and binding; arena peak {profile.arena_peak_mib:.0f} MiB):",
+            profile.format_table(per=profiled.steps),
+        ]
+    if report.profiles:
+        folders = sorted({str(f.parent) for r in report.profiles for f in r.profile.files})
+        lines.append(f"profiles (chrome://tracing, Perfetto): {', '.join(folders)}")
     return "\n".join(lines)
 
 
@@ -500,6 +552,13 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         action="store_true",
         help="let inductor use its existing on-disk cache (default: an empty one, so its first step compiles)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="also profile ORTModule's steps with ONNX Runtime's profiler: keep the profiles in DIR and print the "
+        "kernel time per op type",
+    )
     parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -517,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     with inductor_cache(cold=not args.warm_inductor_cache):
         results = [run_workload(w, device, args.steps, args.warmup, gflops) for w in workloads]
     lightning = None if args.no_lightning else run_lightning(workloads[0], device, args.steps, args.warmup)
+    profiles = []
+    if args.profile is not None:
+        profiles = [profile_workload(w, device, args.steps, args.warmup, args.profile) for w in workloads]
     report = BenchReport(
         device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         torch_version=torch.__version__,
@@ -527,10 +589,11 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         workloads=results,
         lightning=lightning,
         inductor_cache="warm" if args.warm_inductor_cache else "cold",
+        profiles=profiles,
     )
     print(format_report(report))
     if args.json:
-        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2))
+        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
     return report
 
 

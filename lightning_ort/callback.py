@@ -38,7 +38,11 @@ class ORTCallback(Callback):
         save_onnx: save every exported and ORT-optimized ONNX model (see :class:`~lightning_ort.DebugOptions`).
         log_level: ORT session and ``lightning_ort`` logger verbosity: VERBOSE, INFO, WARNING, ERROR, FATAL.
         onnx_prefix: file name prefix of saved models.
-        save_path: folder for saved models (default: the working directory); checked for write access at once.
+        save_path: folder for saved models and profiles (default: the working directory); checked for write
+            access at once.
+        profile: record ONNX Runtime's profile of every graph (see :class:`~lightning_ort.DebugOptions`). At the
+            end of each ``fit``/``validate``/``test``/``predict`` the profiles are written to ``save_path`` (one
+            file per graph and rank) and rank zero logs its kernel time by op type.
         providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
         optimization_level: ONNX Runtime graph optimization level.
         intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
@@ -66,6 +70,7 @@ class ORTCallback(Callback):
         log_level: LogLevel = LogLevel.WARNING,
         onnx_prefix: str = "",
         save_path: str | os.PathLike[str] | None = None,
+        profile: bool = False,
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
@@ -83,6 +88,7 @@ class ORTCallback(Callback):
             log_level=log_level,
             onnx_prefix=onnx_prefix,
             save_path=save_path,
+            profile=profile,
             providers=providers,
             optimization_level=optimization_level,
             intra_op_num_threads=intra_op_num_threads,
@@ -160,6 +166,19 @@ class ORTCallback(Callback):
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn enum ("fit", "validate"...)
+        for path, module in wrapped_submodules(pl_module).items():
+            if not module.debug_options.profile:
+                continue
+            profile = module.end_profiling()
+            if profile.files:
+                rank_zero_info(
+                    f"lightning_ort: ONNX Runtime profile of `{path}` ({stage}, {profile.runs} runs after each graph's "
+                    f"first; totals):\n{profile.format_table()}\nfiles: {', '.join(map(str, profile.files))}"
+                )
 
     def _log(self, pl_module: pl.LightningModule, modules: dict[str, ORTModule], on_step: bool) -> None:
         if not self._log_metrics:

@@ -17,6 +17,7 @@ from lightning_ort.engine.capture import BuildOptions, CapturedGraphs, FallbackW
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import DynamicDims, Shapes, all_dims, changed_dims
 from lightning_ort.engine.export import ExportError, first_line
+from lightning_ort.engine.profiling import KernelProfile, read_profiles
 from lightning_ort.engine.session import SessionError
 from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
@@ -156,6 +157,35 @@ class ORTModule(nn.Module):
     def graphs(self) -> list[str]:
         """Names of the graphs built so far, as in saved file names (``["forward", "backward", "inference_1"]``)."""
         return [runner.name for _, runner in self._cache.runners()]
+
+    def end_profiling(self, skip_runs: int = 1) -> KernelProfile:
+        """Stop profiling the graphs built so far, write their profiles and sum their kernel times by op type.
+
+        Needs ``DebugOptions(profile=True)``. Graphs built after this call are profiled again until the next call.
+
+        Args:
+            skip_runs: runs to leave out of the sums at the start of each graph's profile (the first run allocates
+                ONNX Runtime's memory and is slower); the files keep every run.
+
+        Raises:
+            ORTModuleError: profiling was not switched on.
+
+        Example:
+            >>> import tempfile
+            >>> model = ORTModule(nn.Linear(4, 2), DebugOptions(profile=True, save_path=tempfile.mkdtemp()))
+            >>> for _ in range(3):
+            ...     model(torch.randn(3, 4)).sum().backward()
+            >>> profile = model.end_profiling()
+            >>> len(profile.files), profile.runs  # forward and backward graphs, two runs each after the first
+            (2, 4)
+        """
+        if not self.debug_options.profile:
+            raise ORTModuleError(
+                "ORTModule.end_profiling() needs profiling switched on: "
+                "ORTModule(module, DebugOptions(profile=True, save_path=...))."
+            )
+        files = [path for _, runner in self._cache.runners() for path in runner.end_profiling()]
+        return read_profiles(files, skip_runs=skip_runs)
 
     def clear_cache(self) -> None:
         """Drop every cached graph; the next call builds again. Statistics keep counting."""

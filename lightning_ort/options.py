@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import onnxruntime as ort
+import torch
 
 _PACKAGE_LOGGER = "lightning_ort"
 
@@ -100,7 +101,12 @@ class DebugOptions:
             optimized from it to ``<save_path>/<onnx_prefix>_<graph>.onnx``.
         log_level: severity for ONNX Runtime's session logs and for the ``lightning_ort`` Python logger.
         onnx_prefix: file name prefix of the saved models.
-        save_path: folder for the saved models; created if missing, checked for write access at once.
+        save_path: folder for the saved models and profiles; created if missing, checked for write access at once.
+        profile: record ONNX Runtime's profile of every session (each kernel's time, op type and provider, per
+            run) into ``<save_path>/<onnx_prefix>_<graph>_profile[_rank<N>]_<timestamp>.json``. The files are
+            written when profiling ends: :meth:`~lightning_ort.ORTModule.end_profiling` (which also sums them
+            by op type), the end of ``Trainer.fit``/``validate``/``test``/``predict`` with the ORT strategies or
+            callback, or the graph's deletion. Profiling slows each run a little; use it to find where time goes.
 
     Example:
         >>> options = DebugOptions(log_level=LogLevel.INFO, onnx_prefix="mlp")
@@ -112,25 +118,39 @@ class DebugOptions:
     log_level: LogLevel = LogLevel.WARNING
     onnx_prefix: str = ""
     save_path: str | os.PathLike[str] = field(default_factory=os.getcwd)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         self.log_level = parse_log_level(self.log_level)
-        if self.save_onnx:
-            ensure_writable_dir(Path(self.save_path), argument="save_path")
+        if self.save_onnx or self.profile:
+            switches = " and ".join(name for name in ("save_onnx", "profile") if getattr(self, name))
+            ensure_writable_dir(Path(self.save_path), argument="save_path", switches=switches)
 
     def onnx_file(self, graph_name: str) -> Path:
         """Path of the saved model called ``graph_name`` (``<save_path>/<onnx_prefix>_<graph_name>.onnx``)."""
-        stem = f"{self.onnx_prefix}_{graph_name}" if self.onnx_prefix else graph_name
-        return Path(self.save_path) / f"{stem}.onnx"
+        return Path(self.save_path) / f"{self._stem(graph_name)}.onnx"
+
+    def profile_prefix(self, graph_name: str) -> Path:
+        """ONNX Runtime's ``profile_file_prefix`` for the graph ``graph_name`` (it appends a timestamp).
+
+        Under ``torch.distributed`` with several processes the prefix names the rank, so ranks sharing
+        ``save_path`` write separate files.
+        """
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = f"_rank{torch.distributed.get_rank()}" if distributed and torch.distributed.get_world_size() > 1 else ""
+        return Path(self.save_path) / f"{self._stem(graph_name)}_profile{rank}"
+
+    def _stem(self, graph_name: str) -> str:
+        return f"{self.onnx_prefix}_{graph_name}" if self.onnx_prefix else graph_name
 
 
-def ensure_writable_dir(path: Path, argument: str) -> None:
-    """Create ``path`` if needed and prove it is writable, or raise naming ``argument``."""
+def ensure_writable_dir(path: Path, argument: str, switches: str) -> None:
+    """Create ``path`` if needed and prove it writable, or raise naming ``argument`` and the ``switches`` needing it."""
     reason = unwritable_reason(path)
     if reason is not None:
         raise ValueError(
             f"{argument}={str(path)!r} cannot be written ({reason}); "
-            f"pass a writable folder as {argument} or set save_onnx=False."
+            f"pass a writable folder as {argument} or set {switches}=False."
         )
 
 

@@ -58,7 +58,8 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         save_onnx: save exported and ORT-optimized models.
         log_level: VERBOSE, INFO, WARNING, ERROR or FATAL.
         onnx_prefix: file name prefix of saved models.
-        save_path: folder for saved models (default: working directory).
+        save_path: folder for saved models and profiles (default: working directory).
+        profile: record ONNX Runtime's profile of every graph; see :class:`~lightning_ort.ORTCallback`.
         providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
         optimization_level: ONNX Runtime graph optimization level.
         intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
@@ -89,6 +90,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         log_level: LogLevel = LogLevel.WARNING,
         onnx_prefix: str = "",
         save_path: str | os.PathLike[str] | None = None,
+        profile: bool = False,
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
@@ -126,6 +128,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             log_level=log_level,
             onnx_prefix=onnx_prefix,
             save_path=save_path,
+            profile=profile,
             providers=providers,
             optimization_level=optimization_level,
             intra_op_num_threads=intra_op_num_threads,
@@ -178,6 +181,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         log_level: LogLevel = LogLevel.WARNING,
         onnx_prefix: str = "",
         save_path: str | os.PathLike[str] | None = None,
+        profile: bool = False,
         providers: Sequence[str] | None = None,
         optimization_level: OptimizationLevel = "all",
         intra_op_num_threads: int = 0,
@@ -207,6 +211,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
             log_level=log_level,
             onnx_prefix=onnx_prefix,
             save_path=save_path,
+            profile=profile,
             providers=providers,
             optimization_level=optimization_level,
             intra_op_num_threads=intra_op_num_threads,

@@ -54,6 +54,7 @@ class WrapConfig:
         log_level: LogLevel | str = LogLevel.WARNING,
         onnx_prefix: str = "",
         save_path: str | os.PathLike[str] | None = None,
+        profile: bool = False,
         providers: Sequence[str] | None = None,
         optimization_level: str = "all",
         intra_op_num_threads: int = 0,
@@ -71,6 +72,7 @@ class WrapConfig:
             log_level=log_level,  # type: ignore[arg-type]
             onnx_prefix=onnx_prefix,
             save_path=save_path if save_path is not None else os.getcwd(),
+            profile=profile,
         )
         settings = SessionSettings(
             providers=tuple(providers) if providers else None,

@@ -94,3 +94,32 @@ def test_report_marks_an_ort_row_that_ran_in_pytorch() -> None:
     marked = [i for i, line in enumerate(lines) if "not all ONNX Runtime" in line]
     assert len(marked) == 1 and lines[marked[0] - 1].split()[1] == "ort"
     assert "whole model ran in PyTorch" in lines[marked[0]]
+
+
+@pytest.mark.slow
+def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench, "peak_memory_mib", lambda *args: 1.0)  # no probe subprocesses in this test
+    out = tmp_path / "bench.json"
+    args = ["--module", "tests.test_bench:tiny_workload", "--steps", "3", "--warmup", "1", "--no-lightning"]
+    report = bench.main([*args, "--profile", str(tmp_path / "profiles"), "--json", str(out)])
+    (profiled,) = report.profiles
+    profile = profiled.profile
+    assert profiled.steps == 3
+    assert profile.runs == 6, "one forward and one backward run per profiled step"
+    assert sorted(f.name.split("_profile")[0] for f in profile.files) == [
+        "tests.test_bench_tiny_workload_backward",
+        "tests.test_bench_tiny_workload_forward",
+    ]
+    assert all(f.parent == tmp_path / "profiles" and f.exists() for f in profile.files)
+    op_types = {op.op_type for op in profile.ops}
+    assert "Tanh" in op_types and op_types & {"MatMul", "FusedMatMul", "Gemm"}, op_types
+    assert 0 < profile.kernel_ms <= profile.run_ms
+    assert 0 <= profiled.outside_ort_ms < profiled.step_ms
+    printed = capsys.readouterr().out
+    assert "ORT profile of tests.test_bench:tiny_workload, per step" in printed
+    assert "Tanh" in printed and "(outside kernels)" in printed
+    saved = json.loads(out.read_text())["profiles"][0]
+    assert saved["profile"]["runs"] == 6
+    assert {Path(f) for f in saved["profile"]["files"]} == set(profile.files)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -142,6 +143,10 @@ class PartitionedGraph:
         for session in self._sessions:
             seen.extend(p for p in session.providers if p not in seen)
         return seen
+
+    def end_profiling(self) -> list[Path]:
+        """Stop profiling the partitions' sessions; their profile files."""
+        return [path for session in self._sessions for path in session.end_profiling()]
 
     def __call__(self, args: list[torch.Tensor]) -> list[torch.Tensor | None]:
         inputs = list(args)

@@ -12,6 +12,7 @@ import functools
 import logging
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -122,7 +123,7 @@ class GraphSession:
         graph: the exported graph.
         device: where the graph's inputs and outputs live.
         settings: session creation settings.
-        debug: where to save the ORT-optimised model, and the ORT log severity.
+        debug: where to save the ORT-optimised model and the profile, and the ORT log severity.
     """
 
     _boxed_call = True
@@ -149,6 +150,10 @@ class GraphSession:
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))
             options.optimized_model_filepath = str(debug.onnx_file(f"{graph.name}_optimized"))
+        if debug.profile:
+            options.enable_profiling = True
+            options.profile_file_prefix = str(debug.profile_prefix(graph.name))
+        self._profiling = debug.profile
         providers = providers_for(device, settings)
         try:
             self._session = ort.InferenceSession(
@@ -181,6 +186,13 @@ class GraphSession:
     def providers(self) -> list[str]:
         """Execution providers the session actually uses."""
         return list(self._session.get_providers())
+
+    def end_profiling(self) -> list[Path]:
+        """Stop profiling this session and write its profile; the file, or nothing if it was not profiling."""
+        if not self._profiling:
+            return []
+        self._profiling = False
+        return [Path(self._session.end_profiling())]
 
     def __call__(self, args: list[Any]) -> list[Any]:
         """Run the graph on ``args`` (AOTAutograd's boxed convention: the list may be cleared)."""

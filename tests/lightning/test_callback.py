@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -92,6 +93,27 @@ def test_validate_test_and_predict_run_eval_graphs(tmp_path: Path) -> None:
     assert model.net.graphs == ["inference"]
     assert test_results["test_loss"] > 0
     assert test_results["ort/cache_misses"] == 1  # validate built the eval graph; test reused it
+
+
+def test_profiles_are_written_and_summarised_at_the_end_of_each_stage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = TinyTransformerLM()
+    callback = ORTCallback(modules=["net"], profile=True, save_path=tmp_path / "profiles", onnx_prefix="lm")
+    trainer = _trainer(tmp_path, [callback], max_steps=4, val_check_interval=2)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model)
+    stems = sorted(p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json"))
+    assert stems == ["lm_net_backward", "lm_net_forward", "lm_net_inference_1"]
+    (summary,) = [r.getMessage() for r in caplog.records if "ONNX Runtime profile of `net`" in r.getMessage()]
+    assert "(fit, " in summary and "(outside kernels)" in summary and "ONNX Runtime runs" in summary
+    assert str(tmp_path / "profiles") in summary
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        trainer.validate(model)
+    assert not [r for r in caplog.records if "ONNX Runtime profile" in r.getMessage()], "nothing new was profiled"
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 3
 
 
 def test_module_created_in_configure_model_is_wrapped_later(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Lightning CLI runs in subprocesses: YAML strategy config, --trainer.strategy=ort_ddp, callbacks+=ORTCallback."""
+"""Lightning CLI runs in subprocesses: YAML strategy config, --trainer.strategy=ort_ddp, callbacks+=ORTCallback
+(with its profiler switched on from the command line)."""
 
 from __future__ import annotations
 
@@ -59,9 +60,14 @@ def test_callback_added_on_the_command_line(tmp_path: Path) -> None:
         tmp_path,
         "--trainer.callbacks+=lightning_ort.ORTCallback",
         "--trainer.callbacks.modules=[encoder]",
+        "--trainer.callbacks.profile=true",
+        "--trainer.callbacks.save_path=profiles",
         "--trainer.accelerator=cpu",
         "--trainer.enable_progress_bar=false",
         *FAST,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "encoder  TransformerEncoder" in result.stdout + result.stderr
+    assert "ONNX Runtime profile of `encoder` (fit" in result.stdout + result.stderr
+    stems = {p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json")}
+    assert stems == {"encoder_inference", "encoder_forward_1", "encoder_backward_1"}  # sanity check ran first

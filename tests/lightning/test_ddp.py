@@ -18,10 +18,11 @@ SCRIPT = ROOT / "tests" / "lightning" / "scripts" / "ddp_run.py"
 pytestmark = pytest.mark.slow
 
 
-def _run(strategy: str, out: Path, cache_dir: Path | None = None) -> list[dict[str, Any]]:
+def _run(strategy: str, out: Path, cache_dir: Path | None = None, profile: Path | None = None) -> list[dict[str, Any]]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     extra = ["--cache-dir", str(cache_dir)] if cache_dir is not None else []
+    extra += ["--profile", str(profile)] if profile is not None else []
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
         cwd=out,
@@ -67,7 +68,12 @@ def test_ort_ddp_matches_plain_ddp_and_ranks_agree(tmp_path: Path) -> None:
 
 def test_ranks_share_a_cache_dir_and_a_restart_exports_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "graphs"
-    first = _run("ort_ddp", tmp_path / "first", cache_dir=cache)
+    first = _run("ort_ddp", tmp_path / "first", cache_dir=cache, profile=tmp_path / "profiles")
+    profiles = sorted(p.name.rsplit("_", 3)[0] for p in (tmp_path / "profiles").glob("*.json"))
+    expected = [
+        f"{m}_{g}_profile_rank{r}" for m in ("embed", "head", "net") for g in ("backward", "forward") for r in (0, 1)
+    ]
+    assert profiles == expected, "every rank writes its own profile of every graph at the end of fit"
     files = sorted(cache.glob("*.ortgraph"))
     assert len(files) == 6, "forward and backward graphs of 3 modules, written once whichever rank finished first"
     assert not list(cache.glob("*.tmp"))

@@ -75,6 +75,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "log_level": "ERROR",
         "onnx_prefix": "run",
         "save_path": str(tmp_path),
+        "profile": True,
         "providers": ["CPUExecutionProvider"],
         "optimization_level": "basic",
         "intra_op_num_threads": 1,
@@ -90,3 +91,4 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
     assert config == WrapConfig.from_arguments(**arguments)
     assert not config.session_settings.allow_spinning
     assert not config.session_settings.release_torch_threads
+    assert config.debug_options.profile

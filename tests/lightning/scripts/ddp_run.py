@@ -1,8 +1,9 @@
 """Train TinyTransformerLM with 2 CPU processes (gloo) and dump what each rank saw, for tests/lightning/test_ddp.py.
 
-    python tests/lightning/scripts/ddp_run.py --strategy ort_ddp --out DIR [--steps N] [--cache-dir DIR]
+    python tests/lightning/scripts/ddp_run.py --strategy ort_ddp --out DIR [--steps N] [--cache-dir DIR] [--profile DIR]
 
-``--cache-dir`` trains with ``ORTDDPStrategy(cache_dir=...)`` (both ranks share the folder).
+``--cache-dir`` trains with ``ORTDDPStrategy(cache_dir=...)`` (both ranks share the folder); ``--profile`` with
+``ORTDDPStrategy(profile=True, save_path=...)``.
 
 Every rank writes ``DIR/rank<R>.json`` (losses, ORT statistics, logged metrics) and ``DIR/rank<R>.pt`` (state
 dict); with a spawn strategy the main process also writes ``DIR/main.pt`` after ``fit`` returns.
@@ -52,10 +53,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--profile", type=Path, default=None)
     args = parser.parse_args()
     strategy: Any = args.strategy
-    if args.cache_dir is not None:
-        strategy = lightning_ort.ORTDDPStrategy(cache_dir=args.cache_dir)
+    if args.cache_dir is not None or args.profile is not None:
+        profiling = {"profile": True, "save_path": args.profile} if args.profile is not None else {}
+        strategy = lightning_ort.ORTDDPStrategy(cache_dir=args.cache_dir, **profiling)
     pl.seed_everything(0, workers=True)
     model = TinyTransformerLM()
     trainer = pl.Trainer(
