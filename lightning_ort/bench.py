@@ -492,7 +492,7 @@ def format_report(report: BenchReport) -> str:
             "",
             f"ORT profile of {profiled.workload}, per step (median step {profiled.step_ms:.1f} ms with profiling: "
             f"ONNX Runtime runs {profile.run_ms / profiled.steps:.1f} ms, outside them {profiled.outside_ort_ms:.1f} "
-            f"ms for the loss, autograd, AdamW and binding; arena peak {profile.arena_peak_mib:.0f} MiB):",
+            "ms for the loss, autograd, AdamW and binding):",
             profile.format_table(per=profiled.steps),
         ]
     if report.profiles:

@@ -50,7 +50,8 @@ class KernelProfile:
         run_ms: wall time of those runs inside ONNX Runtime.
         ops: kernel time per op type and provider, longest first.
         arena_peak_mib: the most memory ONNX Runtime's CPU arena held during those runs (``0.0`` when the
-            profile does not say, as on CUDA).
+            profile does not say, as on CUDA). ORTModule's CPU sessions share one arena per process, so this is
+            the process's ONNX Runtime memory, including other modules' graphs.
 
     Example:
         >>> profile = KernelProfile(runs=2, run_ms=10.0, ops=(OpTime("Gemm", "CPUExecutionProvider", 8.0, 2),))
