@@ -158,7 +158,7 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_FORMAT = "7"
+_FORMAT = "8"
 
 
 def _encode(graph: ExportedGraph) -> bytes:

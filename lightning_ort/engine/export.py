@@ -40,6 +40,7 @@ from lightning_ort.engine.onnx_rewrites import (
     fuse_transposed_operands,
     nchwc_block_size,
     split_gemm_bias,
+    sum_rows_by_product,
     use_nchwc_convolutions,
 )
 
@@ -259,15 +260,18 @@ def export_graph(
     fused = fuse_transposed_operands(model)
     blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
     masks = dequantize_scaled_masks(model) if on_cpu else 0
+    row_sums = sum_rows_by_product(model) if on_cpu else 0
     log.debug(
         "exported %s graph: %d nodes (%d biases split from Gemm, %d transposed matmul operands fused, "
-        "%d convolutions on NCHWc kernels, %d masks scaled by DequantizeLinear), %d inputs, %d outputs",
+        "%d convolutions on NCHWc kernels, %d masks scaled by DequantizeLinear, %d row sums as products), "
+        "%d inputs, %d outputs",
         name,
         len(model.graph.node),
         split,
         fused,
         blocked,
         masks,
+        row_sums,
         len(inputs),
         len(outputs),
     )

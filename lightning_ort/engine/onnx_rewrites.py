@@ -17,12 +17,15 @@
   and ours are graph inputs that change every step; its plain ``Conv`` multiplies one image at a time.
 * :func:`dequantize_scaled_masks` (CPU graphs): dropout's one-byte keep mask scaled to floats by a ``Cast`` and
   a product becomes one ``DequantizeLinear``.
+* :func:`sum_rows_by_product` (CPU graphs): a ``ReduceSum`` over leading axes (bias and normalisation-weight
+  gradients) becomes a product with a row of ones.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import tempfile
 from collections import Counter
@@ -191,6 +194,82 @@ def dequantize_scaled_masks(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(nodes)
     return len(dequantized)
+
+
+def sum_rows_by_product(model: onnx.ModelProto) -> int:
+    """Turn ``ReduceSum`` over the leading axes of a static-shape float32 tensor into ``ones @ rows``, in place.
+
+    The gradients of biases and of normalisation weights sum the output gradient over every row (``[2048, 1024]``
+    -> ``[1024]`` in the transformer benchmark); ONNX Runtime's CPU ``ReduceSum`` over the leading axis took
+    0.47 ms for that shape, a ``MatMul`` of a ``[1, 2048]`` row of ones by the ``[2048, 1024]`` rows 0.21 ms
+    (``[2048, 256]``: 0.18 -> 0.10 ms). The data is reshaped to ``[rows, columns]`` (no copy), multiplied, and
+    reshaped to the reduction's output. Returns the number of nodes rewritten.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [32, 64, 256])
+        >>> axes = numpy_helper.from_array(np.array([0, 1], np.int64), "axes")
+        >>> node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], "node_sum", keepdims=0)
+        >>> model = helper.make_model(helper.make_graph([node], "g", [x], [], [axes]))
+        >>> sum_rows_by_product(model), [n.op_type for n in model.graph.node]
+        (1, ['Reshape', 'MatMul', 'Reshape'])
+    """
+    graph = model.graph
+    values = _values(graph)
+    constants = {
+        init.name: numpy_helper.to_array(init) for init in graph.initializer if init.data_type == onnx.TensorProto.INT64
+    }
+    rewritten = 0
+    nodes: list[onnx.NodeProto] = []
+    initializers: dict[str, onnx.TensorProto] = {}
+    for node in graph.node:
+        split = _leading_reduction(node, values, constants)
+        if split is None:
+            nodes.append(node)
+            continue
+        shape, leading = split
+        rows, columns = math.prod(shape[:leading]), math.prod(shape[leading:])
+        keepdims = next((attr.i for attr in node.attribute if attr.name == "keepdims"), 1)
+        output_shape = [1] * leading * keepdims + shape[leading:]
+        prefix = node.name or node.output[0]
+        ones, matrix_shape, result_shape = (
+            f"lightning_ort_ones_1x{rows}",
+            f"{prefix}_rows_shape",
+            f"{prefix}_sums_shape",
+        )
+        initializers[ones] = numpy_helper.from_array(np.ones((1, rows), np.float32), ones)
+        initializers[matrix_shape] = numpy_helper.from_array(np.array([rows, columns], np.int64), matrix_shape)
+        initializers[result_shape] = numpy_helper.from_array(np.array(output_shape, np.int64), result_shape)
+        matrix, sums = f"{prefix}_rows", f"{prefix}_sums"
+        nodes += [
+            helper.make_node("Reshape", [node.input[0], matrix_shape], [matrix], matrix),
+            helper.make_node("MatMul", [ones, matrix], [sums], node.name),
+            helper.make_node("Reshape", [sums, result_shape], list(node.output), f"{prefix}_reshape"),
+        ]
+        rewritten += 1
+    if rewritten:
+        del graph.node[:]
+        graph.node.extend(nodes)
+        used = {name for node in nodes for name in node.input} | {output.name for output in graph.output}
+        kept = [init for init in graph.initializer if init.name in used]  # the reductions' axes are not
+        del graph.initializer[:]
+        graph.initializer.extend([*kept, *initializers.values()])
+    return rewritten
+
+
+def _leading_reduction(
+    node: onnx.NodeProto, values: dict[str, _Value], constants: dict[str, np.ndarray]
+) -> tuple[list[int], int] | None:
+    """``(input shape, number of leading axes summed)`` if :func:`sum_rows_by_product` rewrites ``node``."""
+    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    data, axes = values.get(node.input[0]), constants.get(node.input[1])
+    if data is None or axes is None or data.elem_type != onnx.TensorProto.FLOAT or data.static_shape is None:
+        return None
+    shape = data.static_shape
+    summed = sorted(int(axis) % len(shape) for axis in axes.reshape(-1)) if shape else []
+    if not summed or summed != list(range(len(summed))) or len(summed) == len(shape):
+        return None
+    return shape, len(summed)
 
 
 def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:

@@ -19,6 +19,7 @@ from lightning_ort.engine.onnx_rewrites import (
     fuse_transposed_operands,
     nchwc_block_size,
     split_gemm_bias,
+    sum_rows_by_product,
     use_nchwc_convolutions,
 )
 
@@ -279,3 +280,52 @@ def test_conv_net_trains_like_eager_on_nchwc_kernels(tmp_path: Path) -> None:
     for graph in ("forward", "backward"):
         nodes = onnx.load(str(tmp_path / f"{graph}.onnx")).graph.node
         assert any(n.domain == "com.microsoft.nchwc" and n.op_type == "Conv" for n in nodes), graph
+
+
+def _row_sum_model(
+    shape: list[int | str], axes: list[int], keepdims: int, dtype: int = TensorProto.FLOAT
+) -> onnx.ModelProto:
+    axes_tensor = helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes)
+    node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], "node_sum", keepdims=keepdims)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", dtype, shape)],
+        [helper.make_tensor_value_info("y", dtype, None)],
+        [axes_tensor],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes", "keepdims"),
+    [([2048, 64], [0], 1), ([2048, 64], [-2], 0), ([16, 128, 32], [0, 1], 0), ([16, 8, 4, 4], [1, 0], 1)],
+)
+def test_row_sums_become_a_product_with_ones_and_sum_the_same(shape: list[int], axes: list[int], keepdims: int) -> None:
+    model = _row_sum_model(shape, axes, keepdims)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    expected = _run(model, {"x": x})
+    assert sum_rows_by_product(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Reshape", "MatMul", "Reshape"]
+    assert model.graph.node[1].name == "node_sum", "the product keeps the reduction's name (errors point at it)"
+    assert "axes" not in {init.name for init in model.graph.initializer}, "the unused axes are dropped"
+    actual = _run(model, {"x": x})
+    assert actual.shape == expected.shape
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes", "dtype"),
+    [
+        ([64, 32], [1], TensorProto.FLOAT),
+        ([64, 32], [0, 1], TensorProto.FLOAT),
+        (["batch", 32], [0], TensorProto.FLOAT),
+        ([64, 32], [0], TensorProto.DOUBLE),
+        ([8, 4, 4], [0, 2], TensorProto.FLOAT),
+    ],
+    ids=["trailing axis", "every axis", "symbolic rows", "float64", "not only leading axes"],
+)
+def test_other_reductions_are_left_alone(shape: list[int | str], axes: list[int], dtype: int) -> None:
+    model = _row_sum_model(shape, axes, 1, dtype)
+    assert sum_rows_by_product(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["ReduceSum"]
