@@ -106,7 +106,9 @@ class DebugOptions:
             run) into ``<save_path>/<onnx_prefix>_<graph>_profile[_rank<N>]_<timestamp>.json``. The files are
             written when profiling ends: :meth:`~lightning_ort.ORTModule.end_profiling` (which also sums them
             by op type), the end of ``Trainer.fit``/``validate``/``test``/``predict`` with the ORT strategies or
-            callback, or the graph's deletion. Profiling slows each run a little; use it to find where time goes.
+            callback, or the graph's deletion. Profiling slows each run a little; use it to find where time goes,
+            over a few dozen steps: ONNX Runtime keeps a session's events in memory until profiling ends and
+            records at most a million (ONNX Runtime's limit).
 
     Example:
         >>> options = DebugOptions(log_level=LogLevel.INFO, onnx_prefix="mlp")
