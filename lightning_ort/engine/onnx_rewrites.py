@@ -86,7 +86,7 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
         nodes.append(node)
     if not rewritten:
         return 0
-    used = {name for node in nodes for name in node.input} | {output.name for output in graph.output}
+    used = _read_names(nodes, graph)
     kept = [n for n in nodes if n.op_type != "Transpose" or any(output in used for output in n.output)]
     del graph.node[:]
     graph.node.extend(kept)
@@ -215,14 +215,12 @@ def sum_rows_by_product(model: onnx.ModelProto) -> int:
     """
     graph = model.graph
     values = _values(graph)
-    constants = {
-        init.name: numpy_helper.to_array(init) for init in graph.initializer if init.data_type == onnx.TensorProto.INT64
-    }
+    integers = {init.name: init for init in graph.initializer if init.data_type == onnx.TensorProto.INT64}
     rewritten = 0
     nodes: list[onnx.NodeProto] = []
     initializers: dict[str, onnx.TensorProto] = {}
     for node in graph.node:
-        split = _leading_reduction(node, values, constants)
+        split = _leading_reduction(node, values, integers)
         if split is None:
             nodes.append(node)
             continue
@@ -249,7 +247,7 @@ def sum_rows_by_product(model: onnx.ModelProto) -> int:
     if rewritten:
         del graph.node[:]
         graph.node.extend(nodes)
-        used = {name for node in nodes for name in node.input} | {output.name for output in graph.output}
+        used = _read_names(nodes, graph)
         kept = [init for init in graph.initializer if init.name in used]  # the reductions' axes are not
         del graph.initializer[:]
         graph.initializer.extend([*kept, *initializers.values()])
@@ -257,16 +255,16 @@ def sum_rows_by_product(model: onnx.ModelProto) -> int:
 
 
 def _leading_reduction(
-    node: onnx.NodeProto, values: dict[str, _Value], constants: dict[str, np.ndarray]
+    node: onnx.NodeProto, values: dict[str, _Value], integers: dict[str, onnx.TensorProto]
 ) -> tuple[list[int], int] | None:
     """``(input shape, number of leading axes summed)`` if :func:`sum_rows_by_product` rewrites ``node``."""
     if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
-    data, axes = values.get(node.input[0]), constants.get(node.input[1])
+    data, axes = values.get(node.input[0]), integers.get(node.input[1])
     if data is None or axes is None or data.elem_type != onnx.TensorProto.FLOAT or data.static_shape is None:
         return None
     shape = data.static_shape
-    summed = sorted(int(axis) % len(shape) for axis in axes.reshape(-1)) if shape else []
+    summed = sorted(int(axis) % len(shape) for axis in numpy_helper.to_array(axes).reshape(-1)) if shape else []
     if not summed or summed != list(range(len(summed))) or len(summed) == len(shape):
         return None
     return shape, len(summed)
@@ -415,6 +413,11 @@ class _Value:
     @property
     def static_shape(self) -> list[int] | None:
         return None if any(d is None for d in self.dims) else [d for d in self.dims if d is not None]
+
+
+def _read_names(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> set[str]:
+    """Names that ``nodes`` read or that ``graph`` outputs: what must stay defined after a rewrite."""
+    return {name for node in nodes for name in node.input} | {output.name for output in graph.output}
 
 
 def _values(graph: onnx.GraphProto) -> dict[str, _Value]:
