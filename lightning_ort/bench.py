@@ -465,19 +465,22 @@ def format_report(report: BenchReport) -> str:
         f"matrix-product rate: {report.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
         f"median of {report.steps} steps; inductor's first step with a {report.inductor_cache} cache",
         "",
-        f"{'workload':<12}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
-        f"{'first step s':>14}{'peak MiB':>10}",
     ]
+    width = max([12, *(len(result.workload) + 2 for result in report.workloads)])
+    lines.append(
+        f"{'workload':<{width}}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
+        f"{'first step s':>14}{'peak MiB':>10}"
+    )
     for result in report.workloads:
         for name, r in result.runtimes.items():
             lines.append(
-                f"{result.workload:<12}{name:<10}{r.step_ms:>9.1f}{r.speedup_vs_eager:>9.2f}x{result.floor_ms:>10.1f}"
-                f"{r.floor_ratio:>8.2f}x{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
+                f"{result.workload:<{width}}{name:<10}{_ms(r.step_ms):>9}{r.speedup_vs_eager:>9.2f}x"
+                f"{_ms(result.floor_ms):>10}{r.floor_ratio:>8.2f}x{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
             )
             if r.pytorch_fallback:
-                lines.append(f"{'':<12}  ^ not all ONNX Runtime: {r.pytorch_fallback}")
+                lines.append(f"{'':<{width}}  ^ not all ONNX Runtime: {r.pytorch_fallback}")
         lines.append(
-            f"{'':<12}({result.matmul_gflop:.1f} GFLOP of matrix products per step; "
+            f"{'':<{width}}({result.matmul_gflop:.1f} GFLOP of matrix products per step; "
             f"max |loss eager - loss ORT| {result.max_abs_loss_diff_ort:.1e})"
         )
     if report.lightning is not None:
@@ -500,6 +503,11 @@ def format_report(report: BenchReport) -> str:
         folders = sorted({str(f.parent) for r in report.profiles for f in r.profile.files})
         lines.append(f"profiles (chrome://tracing, Perfetto): {', '.join(folders)}")
     return "\n".join(lines)
+
+
+def _ms(value: float) -> str:
+    """Milliseconds with three significant digits below 10 ms (small models, GPUs), else one decimal."""
+    return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
 @contextlib.contextmanager

@@ -96,6 +96,19 @@ def test_report_marks_an_ort_row_that_ran_in_pytorch() -> None:
     assert "whole model ran in PyTorch" in lines[marked[0]]
 
 
+def test_report_columns_fit_long_workload_names_and_short_steps() -> None:
+    def row(step_ms: float) -> bench.RuntimeResult:
+        return bench.RuntimeResult(step_ms, 1.0, 0.1, 2.0, 100.0, [step_ms])
+
+    name = "my_package.models:small_factory"
+    result = bench.WorkloadResult(name, 0.0, 0.0643, {"eager": row(0.9123), "ort": row(1.314)}, 0.0)
+    report = bench.BenchReport("cpu", "2.13", "1.31", 2, 100.0, 1, [result], None)
+    header, eager, ort = bench.format_report(report).splitlines()[3:6]
+    assert eager.index("eager") == ort.index("ort") == header.index("runtime")
+    assert eager.split()[2:4] == ["0.912", "1.00x"] and ort.split()[2] == "1.31"
+    assert eager.split()[4] == "0.064"
+
+
 @pytest.mark.slow
 def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -86,6 +86,18 @@ def test_to_float64_builds_a_graph_for_the_new_dtype() -> None:
     assert wrapped.statistics.cache_misses == 2
 
 
+def test_graph_state_is_named_parameters_then_named_buffers() -> None:
+    # Shared parameters once, a None bias skipped, BatchNorm's buffers (one shared between two modules) once.
+    model = nn.Sequential(Shared(), nn.Linear(4, 6, bias=False), nn.BatchNorm1d(6), nn.BatchNorm1d(6))
+    model[3].register_buffer("running_mean", model[2].running_mean)
+    model[2].register_buffer("scratch", torch.zeros(2), persistent=False)
+    wrapped = ORTModule(model)
+    assert wrapped._graph_state() == [*model.named_parameters(), *model.named_buffers()]
+    parameters = 5 + 1 + 2 + 2  # Shared (right.weight is left.weight), the bias-free Linear, two BatchNorms
+    buffers = 4 + 2  # the first BatchNorm's three and scratch, the second's two of its own
+    assert len(wrapped._graph_state()) == parameters + buffers
+
+
 def test_pickle_and_deepcopy_keep_weights_and_sharing() -> None:
     wrapped = ORTModule(Shared())
     x = torch.randn(2, 8)

@@ -114,7 +114,7 @@ def _place(
     if isinstance(source, int):
         return onnx_outputs[source]
     if isinstance(source, PassedInput):
-        return inputs[source.index]
+        return inputs[source.index].detach()
     if isinstance(source, ReshapedOutput):
         base = _place(source.base, onnx_outputs, inputs, env)
         return base.view(tuple(evaluate(size, env) for size in source.shape))

@@ -13,7 +13,7 @@ import torch
 import lightning_ort.engine.session as session_module
 from lightning_ort import ORTModule, SessionSettings
 from lightning_ort.engine.dynamic import evaluate
-from lightning_ort.engine.export import ExportedGraph, Noise, PassedInput, ReshapedOutput
+from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, PassedInput, ReshapedOutput
 from tests.zoo import MLP
 
 
@@ -29,9 +29,10 @@ def test_inputs_and_outputs_are_bound_zero_copy(monkeypatch: pytest.MonkeyPatch)
         bound.append((bind.__name__, tensor.data_ptr(), name))
         original_bind(bind, name, tensor)
 
-    def recording_from_onnx_runtime(value: Any, dtype: torch.dtype) -> torch.Tensor:
-        written.append(value.data_ptr())
-        return original_from_onnx_runtime(value, dtype)
+    def recording_from_onnx_runtime(values: Any, specs: Any) -> list[torch.Tensor]:
+        tensors = original_from_onnx_runtime(values, specs)
+        written.extend(t.data_ptr() for t in tensors)
+        return tensors
 
     monkeypatch.setattr(session_module, "_bind", recording_bind)
     monkeypatch.setattr(session_module, "_from_onnx_runtime", recording_from_onnx_runtime)
@@ -88,18 +89,18 @@ def test_spinning_can_be_turned_off() -> None:
 
 @pytest.mark.parametrize("release", [True, False])
 def test_cpu_runs_release_torch_threads_first(monkeypatch: pytest.MonkeyPatch, release: bool) -> None:
-    events: list[str] = []
-    monkeypatch.setattr(session_module, "release_openmp_threads", lambda: events.append("release") or True)
-    original_run = session_module.ort.InferenceSession.run_with_iobinding
-
-    def recording_run(self: Any, binding: Any, *args: Any) -> None:
-        events.append("run")
-        original_run(self, binding, *args)
-
-    monkeypatch.setattr(session_module.ort.InferenceSession, "run_with_iobinding", recording_run)
+    # Each release records how many graph runs came before it: one release before each of the two runs.
     wrapped = ORTModule(MLP(), session_settings=SessionSettings(release_torch_threads=release))
+    runs_before_release: list[int] = []
+
+    def recording_release() -> bool:
+        runs_before_release.append(sum(session.runs for _, session in wrapped._cache.runners()))
+        return True
+
+    monkeypatch.setattr(session_module, "release_openmp_threads", recording_release)
     wrapped(torch.randn(2, 16)).sum().backward()
-    assert events == (["release", "run"] * 2 if release else ["run"] * 2)
+    assert runs_before_release == ([0, 1] if release else [])
+    assert sum(session.runs for _, session in wrapped._cache.runners()) == 2
 
 
 def test_bad_session_settings_fail_with_allowed_values() -> None:
@@ -117,6 +118,15 @@ def test_inputs_returned_by_a_graph_are_passed_through_without_a_copy() -> None:
     passed = [s for s in forward.layout.sources if isinstance(s, PassedInput)]
     assert passed, "the saved input should be returned as is"
     assert len(forward.model.graph.output) == len(forward.outputs)
+
+
+def test_passed_through_inputs_come_back_detached_and_unchanged() -> None:
+    # Inputs are bound as they are (no detach per input on every run); the few returned as outputs are detached.
+    weight = torch.randn(3, 4, requires_grad=True)
+    passed, reshaped = OutputLayout((PassedInput(0), ReshapedOutput(PassedInput(0), (12,)))).place([], [weight], {})
+    assert not passed.requires_grad and not reshaped.requires_grad
+    assert passed.data_ptr() == reshaped.data_ptr() == weight.data_ptr()
+    assert reshaped.shape == (12,)
 
 
 def _forward_graph(wrapped: ORTModule) -> ExportedGraph:
