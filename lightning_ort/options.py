@@ -185,7 +185,8 @@ class SessionSettings:
             its cores (a CPU training step took 2.8x longer).
         release_torch_threads: on CPU, make PyTorch's idle OpenMP worker threads stop busy-waiting before each
             ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads (the benchmark's
-            mlp step: 2-11% shorter). PyTorch's next parallel operator starts them again (about 0.3 ms).
+            mlp step: 2-11% shorter). PyTorch's next parallel operator starts them again (about 0.3 ms), so graphs
+            whose last run took under 1 ms run without it.
             See :mod:`lightning_ort.engine.openmp`.
 
     Example:
