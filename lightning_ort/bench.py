@@ -506,7 +506,7 @@ def format_report(report: BenchReport) -> str:
 
 
 def _ms(value: float) -> str:
-    """Milliseconds with three significant digits below 10 ms (small models, GPUs), else one decimal."""
+    """Milliseconds with three decimals below 1 ms, two below 10 ms (small models, GPUs), else one."""
     return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 

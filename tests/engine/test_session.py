@@ -89,37 +89,41 @@ def test_spinning_can_be_turned_off() -> None:
 
 @pytest.mark.parametrize("release", [True, False])
 def test_cpu_runs_release_torch_threads_first(monkeypatch: pytest.MonkeyPatch, release: bool) -> None:
-    # Each release records how many graph runs came before it: one release before each of the four runs.
+    # One release before each of the four runs.
     monkeypatch.setattr(session_module, "RELEASE_MIN_RUN_S", 0.0)
     wrapped = ORTModule(MLP(), session_settings=SessionSettings(release_torch_threads=release))
-    runs_before_release: list[int] = []
-
-    def recording_release() -> bool:
-        runs_before_release.append(sum(session.runs for _, session in wrapped._cache.runners()))
-        return True
-
-    monkeypatch.setattr(session_module, "release_openmp_threads", recording_release)
+    runs_before_release = _record_releases(monkeypatch, wrapped)
     for _ in range(2):
         wrapped(torch.randn(2, 16)).sum().backward()
     assert runs_before_release == ([0, 1, 2, 3] if release else [])
-    assert sum(session.runs for _, session in wrapped._cache.runners()) == 4
+    assert _total_runs(wrapped) == 4
 
 
 def test_graphs_with_short_runs_keep_torch_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     # With no run long enough, only each graph's first run (no duration known yet) releases the threads.
     monkeypatch.setattr(session_module, "RELEASE_MIN_RUN_S", float("inf"))
     wrapped = ORTModule(MLP())
-    runs_before_release: list[int] = []
-
-    def recording_release() -> bool:
-        runs_before_release.append(sum(session.runs for _, session in wrapped._cache.runners()))
-        return True
-
-    monkeypatch.setattr(session_module, "release_openmp_threads", recording_release)
+    runs_before_release = _record_releases(monkeypatch, wrapped)
     for _ in range(3):
         wrapped(torch.randn(2, 16)).sum().backward()
     assert runs_before_release == [0, 1]
-    assert sum(session.runs for _, session in wrapped._cache.runners()) == 6
+    assert _total_runs(wrapped) == 6
+
+
+def _record_releases(monkeypatch: pytest.MonkeyPatch, wrapped: ORTModule) -> list[int]:
+    """Replace the thread release by a recorder: the list gets, per release, how many graph runs came before it."""
+    runs_before_release: list[int] = []
+
+    def recording_release() -> bool:
+        runs_before_release.append(_total_runs(wrapped))
+        return True
+
+    monkeypatch.setattr(session_module, "release_openmp_threads", recording_release)
+    return runs_before_release
+
+
+def _total_runs(wrapped: ORTModule) -> int:
+    return sum(session.runs for _, session in wrapped._cache.runners())
 
 
 def test_bad_session_settings_fail_with_allowed_values() -> None:
