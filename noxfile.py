@@ -17,7 +17,7 @@ TORCH = "torch==2.13.0"
 @nox.session
 def tests(session: nox.Session) -> None:
     session.install(TORCH, "-e", ".[test]")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "auto", *session.posargs)
 
 
 @nox.session

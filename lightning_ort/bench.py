@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -231,21 +232,28 @@ class BenchReport:
     profiles: list[ProfileResult] = field(default_factory=list)
 
 
-def peak_memory_mib(workload_spec: str, runtime: str, device: torch.device) -> float:
-    """Peak memory of one runtime's setup and two training steps, measured in a fresh process.
+def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.device) -> dict[str, float]:
+    """Peak memory of each runtime's setup and two training steps, each measured in a fresh process.
 
     On CPU: the process's peak resident memory minus its resident memory once the workload is built (so
     it counts the model copy, optimizer state, compiled graphs, ONNX Runtime's arenas and the steps'
     activations). On CUDA: PyTorch's peak allocated memory plus the growth of the device memory held outside
     PyTorch's allocator (ONNX Runtime's CUDA arena keeps its peak size, so its growth is its peak).
-    A separate process per runtime, because freed memory is not reliably returned to the system.
+    A separate process per runtime, because freed memory is not reliably returned to the system. On CPU the
+    processes run at the same time (each reads only its own resident memory); on CUDA one after another,
+    since they would share the device's memory.
     """
-    command = [sys.executable, "-m", "lightning_ort.bench", "--memory-probe", runtime, "--device", str(device)]
+    command = [sys.executable, "-m", "lightning_ort.bench", "--device", str(device)]
     command += ["--module", workload_spec] if workload_spec not in WORKLOADS else ["--workload", workload_spec]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"memory probe for {runtime} on {workload_spec} failed:\n{result.stderr[-2000:]}")
-    return float(json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"])
+
+    def probe(runtime: str) -> float:
+        result = subprocess.run([*command, "--memory-probe", runtime], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"memory probe for {runtime} on {workload_spec} failed:\n{result.stderr[-2000:]}")
+        return float(json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"])
+
+    with ThreadPoolExecutor(max_workers=1 if device.type == "cuda" else len(runtimes)) as pool:
+        return dict(zip(runtimes, pool.map(probe, runtimes)))
 
 
 def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> float:
@@ -365,13 +373,14 @@ def run_workload(
     flops = step_matmul_flops(workload)
     floor_ms = flops / (gflops * 1e9) * 1e3
     eager_ms = statistics.median(runners[0].times_ms)
+    peaks = peak_memory_mib(workload.name, RUNTIMES, device)
     results = {
         r.name: RuntimeResult(
             step_ms=statistics.median(r.times_ms),
             speedup_vs_eager=eager_ms / statistics.median(r.times_ms),
             first_step_s=r.first_step_s,
             floor_ratio=statistics.median(r.times_ms) / floor_ms,
-            peak_memory_mib=peak_memory_mib(workload.name, r.name, device),
+            peak_memory_mib=peaks[r.name],
             step_ms_all=r.times_ms,
             pytorch_fallback=r.pytorch_fallback(),
         )

@@ -1,10 +1,20 @@
-"""Test configuration: CUDA tests skip on machines without a GPU and onnxruntime-gpu's CUDA provider."""
+"""Test configuration: CUDA tests skip on machines without a GPU and onnxruntime-gpu's CUDA provider; the model
+zoo's coverage table is printed after the run.
+
+The zoo's results reach the table as test-report properties, so the table also appears when pytest-xdist runs
+the tests in worker processes (``-n auto``): the reports, not the workers' memory, come back to the main process.
+"""
 
 from __future__ import annotations
 
 import onnxruntime as ort
 import pytest
 import torch
+
+from tests.zoo.architectures import ARCHITECTURES
+from tests.zoo.coverage import ZOO_PROPERTY, ZooResult, summary
+
+ZOO_RESULTS: dict[str, ZooResult] = {}
 
 
 def cuda_available() -> bool:
@@ -18,3 +28,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == ZOO_PROPERTY:
+            result = ZooResult(**value)
+            ZOO_RESULTS[result.name] = result
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    results = [ZOO_RESULTS[case.name] for case in ARCHITECTURES if case.name in ZOO_RESULTS]
+    if results:
+        terminalreporter.write_sep("=", "lightning-ort model zoo coverage")
+        terminalreporter.write_line(summary(results))

@@ -13,6 +13,8 @@ from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE, clone_inputs, leaf_t
 from tests.zoo.features import Case
 
 FULL, PARTIAL, PYTORCH = "ONNX Runtime", "partly (per-op fallback)", "PyTorch (whole call)"
+ZOO_PROPERTY = "zoo_result"
+"""The test-report property (``record_property``) that carries a :class:`ZooResult` as a dict."""
 
 
 @dataclass(frozen=True)
