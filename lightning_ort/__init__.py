@@ -6,7 +6,7 @@ Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"`
 from __future__ import annotations
 
 from lightning_ort.callback import ORTCallback
-from lightning_ort.engine.cache import CacheStatistics
+from lightning_ort.engine.backend import CacheStatistics, ORTBackend
 from lightning_ort.engine.capture import CaptureError, FallbackWarning
 from lightning_ort.engine.disk_cache import DiskCacheWarning
 from lightning_ort.engine.export import ExportError

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torchmetrics import MaxMetric, Metric, SumMetric
 
-from lightning_ort.engine.cache import CacheStatistics
+from lightning_ort.engine.backend import CacheStatistics
 from lightning_ort.module import ORTModule
 
 EXPORT_TIME = "ort/export_time_s"

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import warnings
-from collections.abc import Callable, Hashable, Mapping
+import types
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
-from lightning_ort.engine.cache import CacheStatistics, GraphCache
-from lightning_ort.engine.capture import BuildOptions, CapturedGraphs, FallbackWarning
+from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend
+from lightning_ort.engine.capture import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
-from lightning_ort.engine.dynamic import DynamicDims, Shapes, all_dims, changed_dims
-from lightning_ort.engine.export import ExportError, first_line
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
-from lightning_ort.engine.session import SessionError
-from lightning_ort.engine.signature import FlatInputs, TensorMeta, forward_parameter_names
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
 
 log = logging.getLogger(__name__)
@@ -34,35 +32,38 @@ class ORTModuleError(RuntimeError):
 class ORTModule(nn.Module):
     """Run ``module``'s forward and backward passes in ONNX Runtime; behave as ``module`` everywhere else.
 
-    On the first call with a new signature (input shapes, dtypes, devices, Python constants, train/eval and
-    grad mode) the module is traced with AOTAutograd into forward and backward graphs, each exported to ONNX
-    and loaded into an ``onnxruntime.InferenceSession`` with graph optimizations on. Later calls with the
-    same signature reuse them; ``loss.backward()`` runs the backward graph in ONNX Runtime and fills
-    ``param.grad``. Under ``torch.no_grad()`` an inference graph without gradient work runs instead.
+    The module is compiled with ``torch.compile`` and an ONNX Runtime backend: TorchDynamo traces the forward
+    into graphs, AOTAutograd turns each into forward and backward graphs, and each of those is exported to ONNX
+    and loaded into an ``onnxruntime.InferenceSession`` with graph optimizations on. TorchDynamo's guards reuse
+    the graphs while input shapes, dtypes, devices, Python constants, train/eval and grad mode stay what they
+    were, and recompile (logging why at INFO level) when they change. ``loss.backward()`` runs the backward
+    graph in ONNX Runtime and fills ``param.grad``. Under ``torch.no_grad()`` an inference graph without
+    gradient work runs instead.
 
     The wrapper shares the wrapped module's parameters, buffers and submodules: ``state_dict()`` keys,
     ``parameters()`` and checkpoints are the same as without it. Wrap before ``DistributedDataParallel``.
 
     Ops that ONNX cannot express (custom ops, a few rare ATen ops) run in PyTorch between ONNX Runtime
-    partitions of the same graph; a call whose control flow depends on tensor values (``if x.sum() > 0``) runs
-    in PyTorch for that input signature. Both warn once (:class:`~lightning_ort.FallbackWarning`) naming the ops
-    and submodules; ``fallback="raise"`` makes them errors.
+    partitions of the same graph; Python that TorchDynamo cannot trace (a branch on a tensor's value, ``.item()``)
+    is a graph break: it runs in PyTorch, and the graphs before and after it run in ONNX Runtime. Both warn once
+    (:class:`~lightning_ort.FallbackWarning`) naming the ops, submodules or reason; ``fallback="raise"`` makes
+    them errors. Side effects in ``forward`` (attributes cached on ``self``, counters) happen as in eager.
 
     Args:
         module: the model to run in ONNX Runtime.
         debug_options: saving ONNX files and log verbosity (see :class:`~lightning_ort.DebugOptions`).
         session_settings: execution providers, optimization level and threads of the sessions.
-        fallback: ``"auto"`` (default) runs what ONNX cannot express in PyTorch, with a warning; ``"raise"``
-            fails instead, naming the op, its submodule and what to do.
+        fallback: ``"auto"`` (default) runs what ONNX cannot express, and code TorchDynamo cannot trace, in PyTorch
+            with a warning; ``"raise"`` fails instead, naming the op and its submodule, or the file and line.
         cache_dir: a folder where exported graphs are saved; a later process training the same model with the
             same input shapes loads them instead of exporting again. ``None`` (default) keeps graphs in memory
             only. An unwritable folder is reported with a warning and training goes on without it.
-        dynamic: input sizes captured as symbols, so one graph serves many shapes. ``None`` (default,
-            automatic): the first shape gets its own graph; when a later call differs only in some input sizes
-            (another sequence length, a ragged last batch), those dimensions become symbolic in the next graph,
-            which then serves every size. ``True``: every input dimension is symbolic from the first call.
-            ``False``: one graph per input shape (fastest per step when shapes repeat: ONNX Runtime optimizes
-            for the exact sizes).
+        dynamic: input sizes captured as symbols, so one graph serves many shapes; passed to ``torch.compile``.
+            ``None`` (default, automatic): the first shape gets its own graph; when a later call differs in some
+            sizes (another sequence length, a ragged last batch), those dimensions become symbolic in the next
+            graph, which then serves every size. ``True``: every dimension is symbolic from the first call.
+            ``False``: one graph per input shape (ONNX Runtime optimizes for the exact sizes), up to TorchDynamo's
+            recompile limit.
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -106,9 +107,9 @@ class ORTModule(nn.Module):
             DiskCache(cache_dir) if cache_dir is not None else None,
         )
         self._dynamic = dynamic
-        self._static_keys: set[Hashable] = set()
-        self._forward_parameter_names = forward_parameter_names(module)
-        self._cache = GraphCache()
+        self._calls = 0
+        self._building_calls = 0
+        self._compile()
         configure_logger(debug.log_level)
 
     @property
@@ -142,21 +143,21 @@ class ORTModule(nn.Module):
 
     @property
     def statistics(self) -> CacheStatistics:
-        """Export time, graph-cache hits and misses, cached graphs and ONNX Runtime run counts so far."""
-        return self._cache.statistics()
+        """Build time, graphs and graph breaks, calls that built graphs or reused them, and ONNX Runtime runs."""
+        return self._backend.statistics(self._calls - self._building_calls, self._building_calls)
 
     @property
     def providers(self) -> list[str]:
         """Execution providers of the sessions built so far (empty before the first call)."""
         seen: list[str] = []
-        for _, runner in self._cache.runners():
+        for _, runner in self._backend.runners():
             seen.extend(p for p in runner.providers if p not in seen)
         return seen
 
     @property
     def graphs(self) -> list[str]:
         """Names of the graphs built so far, as in saved file names (``["forward", "backward", "inference_1"]``)."""
-        return [runner.name for _, runner in self._cache.runners()]
+        return [runner.name for _, runner in self._backend.runners()]
 
     def end_profiling(self, skip_runs: int = 1) -> KernelProfile:
         """Stop profiling the graphs built so far, write their profiles and sum their kernel times by op type.
@@ -184,143 +185,79 @@ class ORTModule(nn.Module):
                 "ORTModule.end_profiling() needs profiling switched on: "
                 "ORTModule(module, DebugOptions(profile=True, save_path=...))."
             )
-        files = [path for _, runner in self._cache.runners() for path in runner.end_profiling()]
+        files = [path for _, runner in self._backend.runners() for path in runner.end_profiling()]
         return read_profiles(files, skip_runs=skip_runs)
 
     def clear_cache(self) -> None:
-        """Drop every cached graph; the next call builds again. Statistics keep counting."""
-        self._cache.clear()
+        """Drop every graph built so far; the next call compiles again. Statistics keep counting."""
+        self._backend.clear()
+        self._compile(self._backend)
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward in ONNX Runtime (see the class docstring)."""
-        inputs = FlatInputs.from_call(self._forward_parameter_names, args, kwargs)
-        state = self._graph_state()
-        state_tensors = [tensor for _, tensor in state]
-        general_key = self._signature(inputs, state)
-        shapes = tuple(tuple(t.shape) for t in inputs.tensors)
-        key = (general_key, shapes)
-        entry = self._cache.lookup(key, general_key, inputs.tensors)
-        if entry is not None:
-            return entry(state_tensors, inputs.tensors)
-        # The signature holds every tensor's device: a hit has the devices of the call that built its graphs.
-        device = _graph_device(state_tensors, inputs.tensors, type(self._original_module).__name__)
-        dims = self._dynamic_dims(general_key, shapes)
-        build = (key, general_key, shapes, inputs, state, device)
-        if not dims or self._dynamic is not None:
-            return self._build_and_run(*build, dims)
-        try:
-            return self._build_and_run(*build, dims)
-        except (ExportError, SessionError) as err:
-            self._static_keys.add(general_key)
-            warnings.warn(
-                f"lightning_ort: {type(self._original_module).__name__}: no graph with symbolic sizes for input "
-                f"dimensions {sorted(dims)} ({first_line(err)}); building one graph per input shape instead. Pass "
-                "dynamic=False to skip the attempt.",
-                FallbackWarning,
-                stacklevel=2,
-            )
-            return self._build_and_run(*build, frozenset())
-
-    def _build_and_run(
-        self,
-        key: Hashable,
-        general_key: Hashable,
-        shapes: Shapes,
-        inputs: FlatInputs,
-        state: list[tuple[str, torch.Tensor]],
-        device: torch.device,
-        dims: DynamicDims,
-    ) -> Any:
-        tag = self._cache.next_tag()
-        log.info(
-            "building a new graph for %s (signature %s%s)",
-            type(self._original_module).__name__,
-            tag or "0",
-            f", dynamic dims {sorted(dims)}" if dims else "",
-        )
-        entry = CapturedGraphs(
-            self._original_module,
-            [name for name, _ in state],
-            inputs,
-            device,
-            tag,
-            self._build_options,
-            self._cache.build_log,
-            dims,
-        )
-        self._cache.insert(key, general_key, shapes, entry)
-        try:
-            output = entry([tensor for _, tensor in state], inputs.tensors)
-        except Exception:
-            self._cache.discard(key, general_key, entry)
-            raise
-        self._cache.settle(key, general_key, entry)
+        """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
+        graphs = self._backend.build_log.graphs
+        with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback) as events:
+            output = self._compiled(self._original_module, *args, **kwargs)
+        self._calls += 1
+        if events.compiled and self._backend.build_log.graphs != graphs:
+            self._building_calls += 1
         return output
 
-    def _dynamic_dims(self, general_key: Hashable, shapes: Shapes) -> DynamicDims:
-        if self._dynamic is False:
-            return frozenset()
-        if self._dynamic is True:
-            return all_dims(shapes)
-        if general_key in self._static_keys:
-            return frozenset()
-        return changed_dims(self._cache.seen_shapes(general_key), shapes)
+    def _compile(self, backend: ORTBackend | None = None) -> None:
+        """Compile an entry point of this ORTModule's own with ``backend`` (a new one if ``None``).
 
-    def _graph_state(self) -> list[tuple[str, torch.Tensor]]:
-        """``named_parameters()`` then ``named_buffers()`` of the wrapped module, in one walk over its submodules
-        (this runs on every call: two walks took 120-250 us for the benchmark's transformer)."""
-        parameters: dict[torch.Tensor, str] = {}
-        buffers: dict[torch.Tensor, str] = {}
-        for prefix, module in self._original_module.named_modules():
-            dot = f"{prefix}." if prefix else ""
-            for name, parameter in module._parameters.items():
-                if parameter is not None and parameter not in parameters:
-                    parameters[parameter] = dot + name
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer not in buffers:
-                    buffers[buffer] = dot + name
-        return [(name, tensor) for table in (parameters, buffers) for tensor, name in table.items()]
-
-    def _signature(self, inputs: FlatInputs, state: list[tuple[str, torch.Tensor]]) -> Hashable:
-        """Everything that selects a graph except the input tensors' sizes (those are checked separately)."""
-        return (
-            self.training,
-            torch.is_grad_enabled(),
-            _autocast_state(),
-            inputs.structure,
-            tuple(TensorMeta.of(t)._replace(shape=(len(t.shape),)) for t in inputs.tensors),
-            tuple((name, t.shape, t.dtype, t.device, t.requires_grad) for name, t in state),
+        TorchDynamo keeps compiled graphs and counts recompilations per code object, and remembers which sizes
+        changed (automatic dynamic shapes) per function name and line. An entry point with a code object and a
+        name of its own keeps another ORTModule's graphs, recompilations and input sizes from affecting this one.
+        """
+        if backend is None:
+            backend = ORTBackend(self._build_options, type(self._original_module).__name__)
+        code = _call_module.__code__
+        name = f"{code.co_name}_{next(_ENTRY_POINTS)}"
+        entry = types.FunctionType(code.replace(co_name=name), _call_module.__globals__, name)
+        self.__dict__["_backend"] = backend
+        self.__dict__["_compiled"] = torch.compile(
+            entry, backend=backend, dynamic=self._dynamic, fullgraph=self.fallback == "raise"
         )
 
+    @override
     def train(self, mode: bool = True) -> ORTModule:
         self._original_module.train(mode)
         self.training = mode
         return self
 
+    @override
     def apply(self, fn: Callable[[nn.Module], None]) -> ORTModule:
         self._original_module.apply(fn)
         return self
 
+    @override
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._original_module.state_dict(*args, **kwargs)
 
+    @override
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @override
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._original_module._load_from_state_dict(*args, **kwargs)
 
+    @override
     def add_module(self, name: str, module: nn.Module | None) -> None:
         raise ORTModuleError(
             f"ORTModule does not take new submodules (add_module({name!r}, ...)): its graphs were traced from the "
             "wrapped module. Add the submodule to the original module before wrapping it."
         )
 
+    @override
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, nn.Module):
             self.add_module(name, value)
         super().__setattr__(name, value)
 
+    @override
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -332,28 +269,21 @@ class ORTModule(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_cache"] = None
+        state["_backend"] = state["_compiled"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__["_cache"] = GraphCache()
+        self._compile()
 
+    @override
     def __repr__(self) -> str:
         return f"ORTModule({self._original_module!r})"
 
 
-def _graph_device(state: list[torch.Tensor], inputs: tuple[torch.Tensor, ...], owner: str) -> torch.device:
-    devices = {t.device for t in (*state, *inputs) if t.device.type != "meta"}
-    if len(devices) > 1:
-        raise RuntimeError(
-            f"ORTModule({owner}) got tensors on several devices {sorted(map(str, devices))}; "
-            "move the module and its inputs to one device first."
-        )
-    return devices.pop() if devices else torch.device("cpu")
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
 
 
-def _autocast_state() -> tuple[Any, ...]:
-    return tuple(
-        (device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
-    )
+_ENTRY_POINTS = itertools.count()

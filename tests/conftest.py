@@ -38,7 +38,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    results = [ZOO_RESULTS[case.name] for case in ARCHITECTURES if case.name in ZOO_RESULTS]
-    if results:
-        terminalreporter.write_sep("=", "lightning-ort model zoo coverage")
-        terminalreporter.write_line(summary(results))
+    ours = {case.name for case in ARCHITECTURES}
+    zoo = [ZOO_RESULTS[case.name] for case in ARCHITECTURES if case.name in ZOO_RESULTS]
+    others = [result for name, result in ZOO_RESULTS.items() if name not in ours]
+    for title, results in (("lightning-ort model zoo coverage", zoo), ("Hugging Face models, padded batches", others)):
+        if results:
+            terminalreporter.write_sep("=", title)
+            terminalreporter.write_line(summary(results))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
-
-from lightning_ort.engine.signature import FlatOutputs
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 OUTPUT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 GRAD_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
@@ -23,7 +22,13 @@ def clone_inputs(value: Any) -> Any:
 
 
 def leaf_tensors(value: Any) -> list[torch.Tensor]:
-    return FlatOutputs.from_output(value).tensors
+    """The tensors in an argument or output tree: containers, named tuples and dataclasses, in order."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return leaf_tensors([getattr(value, f.name) for f in dataclasses.fields(value)])
+    leaves = tree_leaves(value)
+    if len(leaves) == 1 and leaves[0] is value:
+        return [value] if isinstance(value, torch.Tensor) else []
+    return [tensor for leaf in leaves for tensor in leaf_tensors(leaf)]
 
 
 def weighted_loss(output: Any) -> torch.Tensor:

@@ -67,7 +67,7 @@ def test_session_failure_mid_training_leaves_parameters_grads_and_optimizer_unto
     optimizer_state = copy.deepcopy(optimizer.state_dict())
 
     loss = model(x).square().mean()
-    for kind, session in model._cache.runners():
+    for kind, session in model._backend.runners():
         if kind == "backward":  # the backward run fails inside ONNX Runtime
             monkeypatch.setattr(session, "_run", _broken_run)
     with pytest.raises(SessionError, match=r"(?s)failed while running the backward graph.*Nothing was written"):

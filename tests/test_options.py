@@ -37,7 +37,7 @@ def test_log_level_sets_ort_severity_and_python_logger() -> None:
     wrapped = ORTModule(MLP(), DebugOptions(log_level=LogLevel.INFO))
     assert logging.getLogger("lightning_ort").level == logging.INFO
     wrapped(torch.randn(1, 16))
-    _, session = next(wrapped._cache.runners())
+    _, session = next(wrapped._backend.runners())
     assert session._session.get_session_options().log_severity_level == 1
     ORTModule(MLP(), DebugOptions(log_level="error"))
     assert logging.getLogger("lightning_ort").level == logging.ERROR

@@ -14,10 +14,11 @@ Core ATen decompositions, plus:
   no translation at all;
 * on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``.
 
-SDPA is replaced at capture time by :func:`attention`, its math path written with plain ops (the fused
-kernels' backward ops have no ONNX translation; see :mod:`lightning_ort.engine.capture`), and
-``F.dropout`` by :func:`dropout`: the input times a one-byte keep mask drawn by one random op,
-:func:`dropout_keep` (which the export lifts out as an input drawn in PyTorch), scaled in the graph.
+Before AOTAutograd traces a graph, :func:`lightning_ort.engine.rewrites.substitute_functions` replaces SDPA by
+:func:`attention`, its math path written with plain ops (the fused kernels' backward ops have no ONNX
+translation), ``F.multi_head_attention_forward`` by :func:`multi_head_attention`, and ``F.dropout`` by
+:func:`dropout`: the input times a one-byte keep mask drawn by one random op, :func:`dropout_keep` (which the
+export lifts out as an input drawn in PyTorch), scaled in the graph.
 """
 
 from __future__ import annotations
@@ -507,50 +508,93 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
     return (input * scaled).to(input.dtype)
 
 
-_MULTIHEAD_FORWARD = torch.nn.MultiheadAttention.forward
+_EAGER_MULTI_HEAD_ATTENTION = torch.nn.functional.multi_head_attention_forward
 
 
-def multihead_attention(
-    module: torch.nn.MultiheadAttention,
+def multi_head_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: torch.Tensor | None,
+    in_proj_bias: torch.Tensor | None,
+    bias_k: torch.Tensor | None,
+    bias_v: torch.Tensor | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+    training: bool = True,
     key_padding_mask: torch.Tensor | None = None,
     need_weights: bool = True,
     attn_mask: torch.Tensor | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: torch.Tensor | None = None,
+    k_proj_weight: torch.Tensor | None = None,
+    v_proj_weight: torch.Tensor | None = None,
+    static_k: torch.Tensor | None = None,
+    static_v: torch.Tensor | None = None,
     average_attn_weights: bool = True,
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``nn.MultiheadAttention.forward`` computing batch-first self-attention in the batch-first layout.
+    """``F.multi_head_attention_forward`` for self-attention, with the heads split in the batch-first layout.
 
-    PyTorch's implementation turns batch-first inputs into sequence-first ones and back, and splits heads
-    with views that eager gets for free but ONNX materialises (about 7 transposes per layer forward, as many
-    backward). For batch-first self-attention without attention weights (what ``nn.TransformerEncoderLayer``
-    asks for) this computes the same products and masks with two: one to split q, k, v and heads, one to merge
-    heads. Every other configuration runs PyTorch's own forward.
+    PyTorch's implementation splits heads with views of the sequence-first layout that eager gets for free but
+    ONNX materialises (about 7 transposes per layer forward, as many backward). For self-attention without
+    attention weights (what ``nn.TransformerEncoderLayer`` asks for) this computes the same products and masks
+    with two: one to split q, k, v and heads, one to merge heads; ``nn.MultiheadAttention``'s own batch-first
+    transposes around the call cancel in ONNX Runtime. Every other configuration runs PyTorch's own function.
 
     Example:
-        >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-        >>> x, padding = torch.randn(3, 5, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 5])
+        >>> mha = torch.nn.MultiheadAttention(8, 2)
+        >>> x, padding = torch.randn(5, 3, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 5])
         >>> expected, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
-        >>> actual, _ = multihead_attention(mha, x, x, x, key_padding_mask=padding, need_weights=False)
+        >>> actual, _ = multi_head_attention(
+        ...     x, x, x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+        ...     mha.out_proj.weight, mha.out_proj.bias, key_padding_mask=padding, need_weights=False)
         >>> torch.allclose(actual, expected, atol=1e-6)
         True
     """
     supported = (
-        module.batch_first
-        and query is key
+        query is key
         and key is value
         and query.dim() == 3
         and not need_weights
-        and module._qkv_same_embed_dim
-        and module.bias_k is None
-        and not module.add_zero_attn
+        and not use_separate_proj_weight
+        and in_proj_weight is not None
+        and bias_k is None
+        and static_k is None
+        and not add_zero_attn
         and not (is_causal and attn_mask is None)
     )
     if not supported:
-        return _MULTIHEAD_FORWARD(
-            module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        return _EAGER_MULTI_HEAD_ATTENTION(
+            query,
+            key,
+            value,
+            embed_dim_to_check,
+            num_heads,
+            in_proj_weight,
+            in_proj_bias,
+            bias_k,
+            bias_v,
+            add_zero_attn,
+            dropout_p,
+            out_proj_weight,
+            out_proj_bias,
+            training=training,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            use_separate_proj_weight=use_separate_proj_weight,
+            q_proj_weight=q_proj_weight,
+            k_proj_weight=k_proj_weight,
+            v_proj_weight=v_proj_weight,
+            static_k=static_k,
+            static_v=static_v,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
         )
     functional = torch.nn.functional
     key_padding_mask = functional._canonical_mask(
@@ -568,8 +612,9 @@ def multihead_attention(
         target_type=query.dtype,
         check_other=False,
     )
-    batch, length, width = query.shape
-    heads = module.num_heads
+    inputs = query.transpose(0, 1)
+    batch, length, width = inputs.shape
+    heads = num_heads
     mask = None
     causal = is_causal and key_padding_mask is None
     if not causal:
@@ -582,12 +627,24 @@ def multihead_attention(
         if key_padding_mask is not None:
             padding = key_padding_mask.view(batch, 1, 1, length)
             mask = padding if mask is None else mask + padding
-    projected = functional.linear(query, module.in_proj_weight, module.in_proj_bias)
+    projected = functional.linear(inputs, in_proj_weight, in_proj_bias)
     q, k, v = projected.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
-    dropout = module.dropout if module.training else 0.0
-    attended = attention(q, k, v, mask, dropout, causal)
+    attended = attention(q, k, v, mask, dropout_p if training else 0.0, causal)
     merged = attended.transpose(1, 2).reshape(batch, length, width)
-    return functional.linear(merged, module.out_proj.weight, module.out_proj.bias), None
+    return functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
+
+
+def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy``: ``src`` broadcast to ``self``'s shape, in ``self``'s dtype.
+
+    The ONNX exporter translates ``aten.copy`` as ``src`` itself, without the broadcast, so a scalar written into
+    a slice (``ids[:, 0] = start_token``, as Hugging Face's ``shift_tokens_right`` does) came out 0-d.
+
+    Example:
+        >>> copy(torch.zeros(3, dtype=torch.long), torch.tensor(2.0)).tolist()
+        [2, 2, 2]
+    """
+    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
 
 
 @functools.cache
@@ -613,6 +670,7 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
             ]
         ),
         aten._safe_softmax.default: safe_softmax,
+        aten.copy.default: copy,
         aten.convolution_backward.default: convolution_backward,
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,

@@ -31,6 +31,7 @@ import sympy
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode, tracing
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.decompositions import DROPOUT_KEEP
@@ -241,7 +242,9 @@ def export_graph(
         inputs = tuple(_concrete(value) for value in inputs)
     gm.eval()
     try:
-        with quiet_exporter(verbose), tracing(None):  # not inside the capture's tracing context
+        # Not inside the capture's tracing context or fake mode: the ONNX optimizer folds constants with real
+        # tensors (a graph's tensor constants, such as T5's relative-position buckets).
+        with quiet_exporter(verbose), tracing(None), unset_fake_temporarily():
             program = torch.onnx.export(
                 gm, inputs, dynamo=True, verbose=verbose, optimize=True, dynamic_shapes=dynamic_shapes
             )
@@ -326,6 +329,8 @@ def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
         expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
         with graph.inserting_before(first_op):
             replacement = _size_node(graph, expr, sources, built)
+        if isinstance(replacement, torch.fx.Node):
+            replacement.meta.setdefault("val", value)
         _replace_uses(node, replacement)
         graph.erase_node(node)
         dropped.append(index)
@@ -595,10 +600,15 @@ def _export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> Expo
     )
 
 
+_DYNAMO_ROOT = re.compile(r"^L\['\w+'\]\.?")
+"""TorchDynamo's name for the traced function's argument (``L['module'].encoder`` is ``encoder``)."""
+
+
 def node_origin(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path, module_type = list(stack.values())[-1]
+        path = _DYNAMO_ROOT.sub("", path) or "."
         type_name = getattr(module_type, "__name__", str(module_type))
         return f"module `{path}` ({type_name})"
     trace = node.meta.get("stack_trace")

@@ -126,11 +126,11 @@ class PartitionedGraph:
         fallback_ops: how many nodes run in PyTorch.
     """
 
-    _boxed_call = True
-
     def __init__(
         self, gm: torch.fx.GraphModule, name: str, sessions: Sequence[GraphSession], fallback_ops: int
     ) -> None:
+        # An instance attribute, so that TorchDynamo's wrapper around backward graphs copies it (functools.wraps).
+        self._boxed_call = True
         self._gm = gm
         self._sessions = list(sessions)
         self.name = name

@@ -142,11 +142,12 @@ class GraphSession:
         debug: where to save the ORT-optimised model and the profile, and the ORT log severity.
     """
 
-    _boxed_call = True
-
     def __init__(
         self, graph: ExportedGraph, device: torch.device, settings: SessionSettings, debug: DebugOptions
     ) -> None:
+        # AOTAutograd's boxed convention; an instance attribute, so that TorchDynamo's wrapper around backward
+        # graphs copies it (functools.wraps).
+        self._boxed_call = True
         self._graph = graph
         self._device = device
         self._release_torch_threads = device.type == "cpu" and settings.release_torch_threads

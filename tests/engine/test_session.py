@@ -71,7 +71,7 @@ def test_session_settings_reach_the_session() -> None:
     wrapped = ORTModule(MLP(), session_settings=SessionSettings(optimization_level="basic", intra_op_num_threads=1))
     wrapped(torch.randn(2, 16))
     assert wrapped.providers == ["CPUExecutionProvider"]
-    _, session = next(wrapped._cache.runners())
+    _, session = next(wrapped._backend.runners())
     options = session._session.get_session_options()
     assert options.intra_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
@@ -83,7 +83,7 @@ def test_session_settings_reach_the_session() -> None:
 def test_spinning_can_be_turned_off() -> None:
     wrapped = ORTModule(MLP(), session_settings=SessionSettings(allow_spinning=False))
     wrapped(torch.randn(2, 16))
-    _, session = next(wrapped._cache.runners())
+    _, session = next(wrapped._backend.runners())
     assert session._session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
@@ -123,7 +123,7 @@ def _record_releases(monkeypatch: pytest.MonkeyPatch, wrapped: ORTModule) -> lis
 
 
 def _total_runs(wrapped: ORTModule) -> int:
-    return sum(session.runs for _, session in wrapped._cache.runners())
+    return sum(session.runs for _, session in wrapped._backend.runners())
 
 
 def test_bad_session_settings_fail_with_allowed_values() -> None:
@@ -153,7 +153,7 @@ def test_passed_through_inputs_come_back_detached_and_unchanged() -> None:
 
 
 def _forward_graph(wrapped: ORTModule) -> ExportedGraph:
-    return next(runner._graph for kind, runner in wrapped._cache.runners() if kind == "forward")
+    return next(runner._graph for kind, runner in wrapped._backend.runners() if kind == "forward")
 
 
 def _assert_grads_match(wrapped: ORTModule, eager: torch.nn.Module) -> None:

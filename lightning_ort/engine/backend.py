@@ -1,0 +1,335 @@
+"""The TorchDynamo backend: every graph TorchDynamo traces runs in ONNX Runtime.
+
+:class:`ORTBackend` is what :class:`~lightning_ort.ORTModule` compiles its module with, and what
+``torch.compile(model, backend="ort")`` uses through :func:`ort` (registered under the ``torch_dynamo_backends``
+entry point). TorchDynamo does what a front end must: it runs the Python between graphs (graph breaks), guards
+each graph on what it assumed (shapes, dtypes, ``self.training``, Python constants) and recompiles when a guard
+fails. Each graph it hands over becomes a :class:`~lightning_ort.engine.capture.CapturedGraph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
+from torch._dynamo.utils import counters, get_metrics_context
+from typing_extensions import override
+
+from lightning_ort.engine.capture import (
+    BuildLog,
+    BuildOptions,
+    CapturedGraph,
+    CaptureError,
+    FallbackWarning,
+    GraphRunner,
+)
+from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheStatistics:
+    """What an :class:`~lightning_ort.ORTModule` spent building graphs and how often it reused them.
+
+    Attributes:
+        export_seconds: wall time spent turning captured graphs into ONNX Runtime sessions: ONNX export (or
+            loading from ``cache_dir``) and session creation.
+        capture_seconds: wall time spent in AOTAutograd (tracing, decomposition, forward/backward partitioning)
+            for the graphs TorchDynamo handed over. The first-call cost of a graph is ``capture_seconds +
+            export_seconds`` (see :attr:`build_seconds`), plus TorchDynamo's own tracing.
+        cache_hits: forward calls that built no graph.
+        cache_misses: forward calls that built at least one graph (a first call, or a recompilation).
+        cached_graphs: TorchDynamo graphs currently held, each with its ONNX Runtime sessions.
+        forward_runs: ONNX Runtime runs of forward and inference graphs.
+        backward_runs: ONNX Runtime runs of backward graphs.
+        onnx_exports: graphs (or graph partitions) translated to ONNX.
+        disk_cache_loads: graphs (or partitions) loaded from ``cache_dir`` instead of being exported.
+        fallback_ops: ops of the built graphs that run in PyTorch because ONNX cannot express them.
+        eager_signatures: TorchDynamo graphs that run entirely in PyTorch (ONNX Runtime could not build them).
+        graphs: TorchDynamo graphs built so far; more than one per call means graph breaks.
+        graph_breaks: graph breaks TorchDynamo reported: Python it could not trace, run in PyTorch between graphs.
+        recompile_limit_hits: code TorchDynamo stopped compiling after too many recompilations (it runs in
+            PyTorch from then on).
+
+    Example:
+        >>> CacheStatistics().cache_hits
+        0
+    """
+
+    export_seconds: float = 0.0
+    capture_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cached_graphs: int = 0
+    forward_runs: int = 0
+    backward_runs: int = 0
+    onnx_exports: int = 0
+    disk_cache_loads: int = 0
+    fallback_ops: int = 0
+    eager_signatures: int = 0
+    graphs: int = 0
+    graph_breaks: int = 0
+    recompile_limit_hits: int = 0
+
+    @property
+    def build_seconds(self) -> float:
+        """Everything spent building graphs: ``capture_seconds + export_seconds``."""
+        return self.capture_seconds + self.export_seconds
+
+
+class ORTBackend:
+    """A TorchDynamo backend that runs each graph's forward and backward in ONNX Runtime.
+
+    Args:
+        options: how graphs become ONNX Runtime sessions.
+        owner: the model's name, for messages and logs.
+
+    Example:
+        >>> backend = ORTBackend()
+        >>> model = torch.compile(torch.nn.Linear(4, 2), backend=backend)
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> stats = backend.statistics()
+        >>> stats.graphs, stats.forward_runs, stats.backward_runs
+        (1, 1, 1)
+    """
+
+    def __init__(self, options: BuildOptions | None = None, owner: str = "the model") -> None:
+        self._options = options if options is not None else BuildOptions()
+        self._owner = owner
+        self._log = BuildLog()
+        self._graphs: list[CapturedGraph] = []
+        self._retired_runs = (0, 0)
+
+    @property
+    def options(self) -> BuildOptions:
+        return self._options
+
+    @property
+    def build_log(self) -> BuildLog:
+        """Build time and counts so far (the ORTModule adds graph breaks and recompile-limit hits)."""
+        return self._log
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        index = len(self._graphs)
+        reason = _recompile_reason()
+        log.info(
+            "capturing graph %d of %s (%d ops)%s",
+            index,
+            self._owner,
+            sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")),
+            f"; TorchDynamo recompiles because {reason}" if reason else "",
+        )
+        graph = CapturedGraph(gm, example_inputs, self._owner, str(index) if index else "", self._options, self._log)
+        self._graphs.append(graph)
+        self._log.graphs += 1
+        return graph.compile()
+
+    def runners(self) -> Iterator[tuple[str, GraphRunner]]:
+        """``(kind, runner)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
+        for graph in self._graphs:
+            yield from graph.runners
+
+    def clear(self) -> None:
+        """Forget the graphs built so far (their run counts stay in the statistics)."""
+        self._retired_runs = self._run_counts()
+        self._graphs.clear()
+
+    def statistics(self, cache_hits: int = 0, cache_misses: int = 0) -> CacheStatistics:
+        """The statistics so far; the call counts come from the caller, which sees the calls."""
+        forward, backward = self._run_counts()
+        return CacheStatistics(
+            cache_hits=cache_hits,
+            cache_misses=cache_misses,
+            cached_graphs=len(self._graphs),
+            forward_runs=forward,
+            backward_runs=backward,
+            **dataclasses.asdict(self._log),
+        )
+
+    def _run_counts(self) -> tuple[int, int]:
+        forward, backward = self._retired_runs
+        for kind, runner in self.runners():
+            if kind == "backward":
+                backward += runner.runs
+            else:
+                forward += runner.runs
+        return forward, backward
+
+
+def _recompile_reason() -> str | None:
+    """Why TorchDynamo is compiling this frame again (the first guard that failed), or ``None`` on a first compile."""
+    metrics = getattr(get_metrics_context(), "_metrics", {})
+    reason = metrics.get("recompile_reason")
+    return str(reason) if reason else None
+
+
+def ort(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
+    """``torch.compile(model, backend="ort", options={...})``: run the compiled graphs in ONNX Runtime.
+
+    ``options`` takes the names of :class:`~lightning_ort.DebugOptions` and
+    :class:`~lightning_ort.SessionSettings` fields, plus ``fallback`` and ``cache_dir`` as
+    :class:`~lightning_ort.ORTModule` takes them.
+
+    Example:
+        >>> model = torch.compile(torch.nn.Linear(4, 2), backend="ort", options={"fallback": "raise"})
+        >>> model(torch.randn(3, 4)).shape
+        torch.Size([3, 2])
+    """
+    options = dict(options or {})
+    key = repr(sorted(options.items()))
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        backend = _BACKENDS[key] = ORTBackend(backend_options(options))
+    return backend(gm, example_inputs)
+
+
+_BACKENDS: dict[str, ORTBackend] = {}
+"""One backend per distinct ``options`` of ``torch.compile(backend="ort")``, so their statistics add up."""
+
+
+def backend_options(options: Mapping[str, Any]) -> BuildOptions:
+    """:class:`~lightning_ort.engine.capture.BuildOptions` from ``torch.compile``'s ``options`` mapping.
+
+    Example:
+        >>> backend_options({"save_onnx": False, "intra_op_num_threads": 2}).settings.intra_op_num_threads
+        2
+    """
+    debug_fields = {f.name for f in dataclasses.fields(DebugOptions)}
+    settings_fields = {f.name for f in dataclasses.fields(SessionSettings)}
+    unknown = set(options) - debug_fields - settings_fields - {"fallback", "cache_dir"}
+    if unknown:
+        raise ValueError(
+            f"torch.compile(backend='ort', options=...): unknown option(s) {sorted(unknown)}; the options are "
+            f"{sorted(debug_fields | settings_fields | {'fallback', 'cache_dir'})}."
+        )
+    cache_dir = options.get("cache_dir")
+    return BuildOptions(
+        SessionSettings(**{k: v for k, v in options.items() if k in settings_fields}),
+        DebugOptions(**{k: v for k, v in options.items() if k in debug_fields}),
+        parse_fallback(options.get("fallback", "auto")),
+        DiskCache(cache_dir) if cache_dir is not None else None,
+    )
+
+
+class DynamoEvents:
+    """One call through TorchDynamo: its graph breaks and recompile-limit hits become warnings and statistics.
+
+    TorchDynamo reports graph breaks in its counters and recompile-limit hits in its log, not to the backend;
+    this context manager reads both around a call that compiled anything. Under ``fallback="raise"`` the model is
+    compiled with ``fullgraph=True`` and TorchDynamo's refusal becomes a :class:`CaptureError` naming the file and
+    line. An error raised in the backend reaches the caller as itself, not wrapped by TorchDynamo.
+
+    Args:
+        build_log: where graph breaks and recompile-limit hits are counted.
+        owner: the model's name, for messages.
+        fallback: the model's fallback policy.
+
+    Example:
+        >>> backend = ORTBackend()
+        >>> model = torch.compile(torch.nn.Linear(4, 2), backend=backend)
+        >>> with DynamoEvents(backend.build_log, "Linear", "auto") as events:
+        ...     _ = model(torch.randn(3, 4))
+        >>> events.compiled
+        True
+    """
+
+    def __init__(self, build_log: BuildLog, owner: str, fallback: Fallback) -> None:
+        self._log = build_log
+        self._owner = owner
+        self._fallback = fallback
+        self._frames = 0
+        self._breaks: dict[str, int] = {}
+        self._fastpath = True
+        self.compiled = False
+
+    def __enter__(self) -> DynamoEvents:
+        self._frames = counters["frames"]["total"]
+        self._breaks = dict(counters["graph_break"])
+        _LIMIT_HITS.clear()
+        _LIMIT_FILTER.active = True
+        # nn.TransformerEncoder's inference fast path is one fused op without an ONNX translation.
+        self._fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
+        torch.backends.mha.set_fastpath_enabled(self._fastpath)
+        _LIMIT_FILTER.active = False
+        self.compiled = counters["frames"]["total"] != self._frames
+        if isinstance(error, BackendCompilerFailed):
+            raise error.inner_exception from None
+        if isinstance(error, (Unsupported, UserError)) and self._fallback == "raise":
+            raise CaptureError(
+                f"{self._owner}: TorchDynamo cannot capture its forward as one graph at {_user_frame(error)}: "
+                f"{_first_line(getattr(error, 'msg', str(error)))}. Express the branch with tensor ops "
+                "(torch.where, masking), move that code outside the wrapped module, or pass fallback='auto' to "
+                "run it in PyTorch between ONNX Runtime graphs."
+            ) from error
+        if not self.compiled:
+            return
+        for reason, count in counters["graph_break"].items():
+            new = count - self._breaks.get(reason, 0)
+            if new > 0:
+                self._log.graph_breaks += new
+                warnings.warn(
+                    f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
+                    f"{_first_line(reason)}. That code runs in PyTorch; the graphs on both sides run in ONNX "
+                    "Runtime. Run with TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this "
+                    "an error.",
+                    FallbackWarning,
+                    stacklevel=5,
+                )
+        for limit, value, function, reason in _LIMIT_HITS:
+            self._log.recompile_limit_hits += 1
+            warnings.warn(
+                f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
+                f"torch._dynamo.config.{limit} ({value}) recompiling it, last because {reason}. A value that "
+                "changes every step (a Python float or int argument, a shape with dynamic=False) causes this: pass "
+                "it as a tensor, construct the module with dynamic=True, or raise the limit.",
+                FallbackWarning,
+                stacklevel=5,
+            )
+        _LIMIT_HITS.clear()
+
+
+class _RecompileLimitFilter(logging.Filter):
+    """Records TorchDynamo's "hit config.recompile_limit" warnings while :class:`DynamoEvents` watches a call."""
+
+    active = False
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.active and record.msg.startswith("torch._dynamo hit config.") and len(record.args or ()) >= 4:
+            args = tuple(record.args or ())
+            _LIMIT_HITS.append(tuple(str(arg) for arg in args[:4]))
+        return True
+
+
+_LIMIT_HITS: list[tuple[str, ...]] = []
+_LIMIT_FILTER = _RecompileLimitFilter()
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)
+
+
+def _user_frame(error: BaseException) -> str:
+    """``file:line (`code`)`` of the model code TorchDynamo stopped at."""
+    stack = getattr(error, "real_stack", None)
+    if not stack:
+        return "an unknown line"
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else text
