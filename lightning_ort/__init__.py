@@ -1,6 +1,7 @@
 """Train PyTorch and PyTorch Lightning models through ONNX Runtime.
 
-Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"`` and ``"ort_ddp_spawn"``.
+Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"`` and ``"ort_ddp_spawn"``;
+installing it registers the ``torch.compile`` backend ``"ort"``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "ORTModuleError",
     "ORTSingleDeviceStrategy",
     "OpTime",
+    "ORTBackend",
     "SessionError",
     "SessionSettings",
     "read_profiles",

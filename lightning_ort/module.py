@@ -274,12 +274,12 @@ class ORTModule(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__["_calls"] = self.__dict__["_building_calls"] = 0
         self._compile()
 
     @override
     def __repr__(self) -> str:
         return f"ORTModule({self._original_module!r})"
-
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

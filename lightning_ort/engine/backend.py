@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters, get_metrics_context
 from typing_extensions import override
 
 from lightning_ort.engine.capture import (
+    PENDING_WARNINGS,
     BuildLog,
     BuildOptions,
     CapturedGraph,
@@ -129,9 +130,10 @@ class ORTBackend:
             f"; TorchDynamo recompiles because {reason}" if reason else "",
         )
         graph = CapturedGraph(gm, example_inputs, self._owner, str(index) if index else "", self._options, self._log)
+        compiled = graph.compile()
         self._graphs.append(graph)
         self._log.graphs += 1
-        return graph.compile()
+        return compiled
 
     def runners(self) -> Iterator[tuple[str, GraphRunner]]:
         """``(kind, runner)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
@@ -258,6 +260,8 @@ class DynamoEvents:
         self._breaks = dict(counters["graph_break"])
         _LIMIT_HITS.clear()
         _LIMIT_FILTER.active = True
+        PENDING_WARNINGS.collecting = True
+        PENDING_WARNINGS.messages.clear()
         # nn.TransformerEncoder's inference fast path is one fused op without an ONNX translation.
         self._fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
@@ -266,6 +270,7 @@ class DynamoEvents:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
         torch.backends.mha.set_fastpath_enabled(self._fastpath)
         _LIMIT_FILTER.active = False
+        PENDING_WARNINGS.collecting = False
         self.compiled = counters["frames"]["total"] != self._frames
         if isinstance(error, BackendCompilerFailed):
             raise error.inner_exception from None
@@ -278,6 +283,9 @@ class DynamoEvents:
             ) from error
         if not self.compiled:
             return
+        for message in PENDING_WARNINGS.messages:
+            warnings.warn(message, FallbackWarning, stacklevel=5)
+        PENDING_WARNINGS.messages.clear()
         for reason, count in counters["graph_break"].items():
             new = count - self._breaks.get(reason, 0)
             if new > 0:

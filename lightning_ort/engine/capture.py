@@ -146,12 +146,10 @@ class CapturedGraph:
             if self._options.fallback == "raise":
                 raise
             self._log.eager_signatures += 1
-            warnings.warn(
-                f"lightning_ort: a graph of {self._owner} runs in PyTorch: ONNX Runtime could not build it "
-                f"({first_line(err)}). Run with DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) to see "
-                "why; pass fallback='raise' to make this an error.",
-                FallbackWarning,
-                stacklevel=2,
+            warn_fallback(
+                f"lightning_ort: {self._owner} runs in PyTorch for one of its graphs: ONNX Runtime could not build "
+                f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, "
+                "log_level=LogLevel.VERBOSE) to see why; pass fallback='raise' to make this an error."
             )
             return self._gm.forward
         finally:
@@ -227,12 +225,10 @@ class CapturedGraph:
                 unsupported = {**unsupported, **dict.fromkeys(err.nodes, _failure_reason(err))}
                 continue
             self._log.fallback_ops += len(unsupported)
-            warnings.warn(
+            warn_fallback(
                 f"lightning_ort: {self._owner}'s {name} graph runs {len(unsupported)} op(s) in "
                 f"PyTorch: {describe_ops(gm, unsupported)}. The rest runs in ONNX Runtime ({len(sessions)} "
-                "partition(s)). Pass fallback='raise' to make this an error.",
-                FallbackWarning,
-                stacklevel=2,
+                "partition(s)). Pass fallback='raise' to make this an error."
             )
             return PartitionedGraph(split, name, sessions, len(unsupported))
 
@@ -269,13 +265,35 @@ class CapturedGraph:
         return GraphSession(graph, self._device, self._options.settings, self._options.debug)
 
 
-
 class CaptureError(RuntimeError):
     """TorchDynamo could not capture the model as graphs ONNX Runtime runs, and ``fallback="raise"`` was asked for."""
 
 
 class FallbackWarning(UserWarning):
     """Part of a model (some ops, code between graphs, or a whole graph) runs in PyTorch instead of ONNX Runtime."""
+
+
+def warn_fallback(message: str) -> None:
+    """Warn that part of a model runs in PyTorch; while :data:`PENDING_WARNINGS` collects, only record it.
+
+    Graphs are built deep inside TorchDynamo, where no ``stacklevel`` reaches the user's code;
+    :class:`~lightning_ort.engine.backend.DynamoEvents` collects the messages and warns from the user's call.
+    """
+    if PENDING_WARNINGS.collecting:
+        PENDING_WARNINGS.messages.append(message)
+    else:
+        warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+@dataclass
+class PendingWarnings:
+    """Fallback warnings held back while a call runs (see :func:`warn_fallback`)."""
+
+    collecting: bool = False
+    messages: list[str] = field(default_factory=list)
+
+
+PENDING_WARNINGS = PendingWarnings()
 
 
 def _partition(
@@ -305,8 +323,6 @@ def _failure_reason(err: ExportError | SessionError) -> str:
 
 def _rng_devices(device: torch.device) -> list[int]:
     return [device.index or 0] if device.type == "cuda" else []
-
-
 
 
 def _graph_device(example_inputs: Sequence[Any], owner: str) -> torch.device:

@@ -562,13 +562,12 @@ def multi_head_attention(
         and query.dim() == 3
         and not need_weights
         and not use_separate_proj_weight
-        and in_proj_weight is not None
         and bias_k is None
         and static_k is None
         and not add_zero_attn
         and not (is_causal and attn_mask is None)
     )
-    if not supported:
+    if not supported or in_proj_weight is None:
         return _EAGER_MULTI_HEAD_ATTENTION(
             query,
             key,

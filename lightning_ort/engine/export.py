@@ -327,6 +327,10 @@ def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
         if not isinstance(value, (torch.SymInt, int)) or isinstance(value, bool):
             continue
         expr = value.node.expr if isinstance(value, torch.SymInt) else sympy.Integer(value)
+        if not node.users:  # TorchDynamo passes sizes and strides the graph may not read
+            graph.erase_node(node)
+            dropped.append(index)
+            continue
         with graph.inserting_before(first_op):
             replacement = _size_node(graph, expr, sources, built)
         if isinstance(replacement, torch.fx.Node):

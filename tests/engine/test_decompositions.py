@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import unittest.mock
-
 import copy
+import unittest.mock
 from pathlib import Path
 
 import onnx

@@ -72,7 +72,9 @@ class Losses(pl.Callback):
         self.values.append(float(outputs["loss"]))
 
 
-def _train(make: Callable[[], pl.LightningModule], tmp_path: Path, **ort: Any) -> tuple[list[float], pl.LightningModule]:
+def _train(
+    make: Callable[[], pl.LightningModule], tmp_path: Path, **ort: Any
+) -> tuple[list[float], pl.LightningModule]:
     torch.manual_seed(0)
     model = make()
     losses = Losses()
@@ -94,9 +96,13 @@ def _train(make: Callable[[], pl.LightningModule], tmp_path: Path, **ort: Any) -
     return losses.values, model
 
 
-@pytest.mark.parametrize("make", [SyntheticTransformer, SyntheticLSTM, BoringModel], ids=["transformer", "lstm", "boring"])
+@pytest.mark.parametrize(
+    "make", [SyntheticTransformer, SyntheticLSTM, BoringModel], ids=["transformer", "lstm", "boring"]
+)
 @pytest.mark.parametrize("how", ["strategy", "callback"])
-def test_demo_model_trains_like_plain_lightning(make: Callable[[], pl.LightningModule], how: str, tmp_path: Path) -> None:
+def test_demo_model_trains_like_plain_lightning(
+    make: Callable[[], pl.LightningModule], how: str, tmp_path: Path
+) -> None:
     expected, _ = _train(make, tmp_path / "plain")
     ort: dict[str, Any] = {"strategy": "ort"} if how == "strategy" else {"callbacks": [ORTCallback()]}
     actual, model = _train(make, tmp_path / "ort", **ort)
