@@ -448,7 +448,7 @@ def attention(
     else:
         weights = torch.softmax(scores, -1)
     if dropout_p > 0.0:
-        weights = torch.nn.functional.dropout(weights, dropout_p)
+        weights = dropout(weights, dropout_p)
     return weights @ value
 
 
