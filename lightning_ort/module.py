@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend
+from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers
 from lightning_ort.engine.capture import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
@@ -213,6 +213,7 @@ class ORTModule(nn.Module):
         """
         if backend is None:
             backend = ORTBackend(self._build_options, type(self._original_module).__name__)
+        trace_recurrent_layers()
         code = _call_module.__code__
         name = f"{code.co_name}_{next(_ENTRY_POINTS)}"
         entry = types.FunctionType(code.replace(co_name=name), _call_module.__globals__, name)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dynamo import config as dynamo_config
 from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
 from torch._dynamo.utils import counters, get_metrics_context
 from typing_extensions import override
@@ -222,6 +223,18 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
         parse_fallback(options.get("fallback", "auto")),
         DiskCache(cache_dir) if cache_dir is not None else None,
     )
+
+
+def trace_recurrent_layers() -> None:
+    """Let TorchDynamo trace ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (``torch._dynamo.config.allow_rnn``).
+
+    It breaks the graph at them otherwise, and they run in PyTorch; traced, they run in ONNX Runtime like any other
+    op. The setting is process-wide and is not restored: toggling it around every call would mark TorchDynamo's
+    configuration as changed on every call.
+    """
+    if not dynamo_config.allow_rnn:
+        dynamo_config.allow_rnn = True
+        log.info("torch._dynamo.config.allow_rnn set to True: recurrent layers are traced into graphs")
 
 
 class DynamoEvents:

@@ -26,6 +26,7 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
@@ -135,7 +136,11 @@ class CapturedGraph:
             decompositions=capture_decompositions(self._device.type),
         )
         try:
-            compiled = backend(self._gm, self._example_inputs)
+            # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
+            # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
+            # translation, and their auxiliary outputs do not survive the export.
+            with sdpa_kernel(SDPBackend.MATH):
+                compiled = backend(self._gm, self._example_inputs)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
                 # first backward; report it now, while the graph can still run in PyTorch instead.
