@@ -197,10 +197,10 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
         graphs = self._backend.build_log.graphs
-        with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback) as events:
+        with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback):
             output = self._compiled(self._original_module, *args, **kwargs)
         self._calls += 1
-        if events.compiled and self._backend.build_log.graphs != graphs:
+        if self._backend.build_log.graphs != graphs:
             self._building_calls += 1
         return output
 

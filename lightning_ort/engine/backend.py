@@ -33,6 +33,7 @@ from lightning_ort.engine.capture import (
     GraphRunner,
 )
 from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.engine.export import first_line
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,7 @@ class DynamoEvents:
         if isinstance(error, (Unsupported, UserError)) and self._fallback == "raise":
             raise CaptureError(
                 f"{self._owner}: TorchDynamo cannot capture its forward as one graph at {_user_frame(error)}: "
-                f"{_first_line(getattr(error, 'msg', str(error)))}. Express the branch with tensor ops "
+                f"{first_line(getattr(error, 'msg', error))}. Express the branch with tensor ops "
                 "(torch.where, masking), move that code outside the wrapped module, or pass fallback='auto' to "
                 "run it in PyTorch between ONNX Runtime graphs."
             ) from error
@@ -305,7 +306,7 @@ class DynamoEvents:
                 self._log.graph_breaks += new
                 warnings.warn(
                     f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
-                    f"{_first_line(reason)}. That code runs in PyTorch; the graphs on both sides run in ONNX "
+                    f"{first_line(reason)}. That code runs in PyTorch; the graphs on both sides run in ONNX "
                     "Runtime. Run with TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this "
                     "an error.",
                     FallbackWarning,
@@ -349,8 +350,3 @@ def _user_frame(error: BaseException) -> str:
         return "an unknown line"
     frame = stack[-1]
     return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[0] if lines else text

@@ -573,10 +573,12 @@ _NORMAL_OPS = {aten.randn.default, aten.randn_like.default}
 _OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
 
 
-def first_line(err: BaseException) -> str:
+def first_line(err: BaseException | str) -> str:
     """The first non-empty line of ``err``'s message (its type name if the message is empty), for summaries."""
     text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    if not text:
+        return type(err).__name__ if isinstance(err, BaseException) else ""
+    return text.splitlines()[0].strip()
 
 
 def _export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> ExportError:
