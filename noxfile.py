@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s docs``, ``nox -s bench``.
+"""Developer sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s docs``, ``nox -s bench``, ``nox -s opinfo``.
 
 torch is pinned to 2.13.0 here (the CPU wheel these machines carry); the package itself accepts a range so
 GPU users keep their CUDA build.
@@ -38,3 +38,10 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     session.install(TORCH, "-e", ".")
     session.run("python", "-m", "lightning_ort.bench", *session.posargs)
+
+
+@nox.session
+def opinfo(session: nox.Session) -> None:
+    """PyTorch's OpInfo database through ORTModule: a pass / fallback / wrong / error table (``--ops`` to pick)."""
+    session.install(TORCH, "-e", ".[test]")
+    session.run("python", "-m", "tests.opinfo.conformance", *session.posargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -23,6 +24,10 @@ from lightning_ort.options import DebugOptions, Fallback, SessionSettings, confi
 log = logging.getLogger(__name__)
 
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+_OWN_STATE = frozenset(
+    {"_original_module", "_build_options", "_dynamic", "_calls", "_building_calls", "_backend", "_compiled", "forward"}
+)
+"""Attributes the wrapper keeps for itself; setting any other attribute sets it on the wrapped module."""
 
 
 class ORTModuleError(RuntimeError):
@@ -110,6 +115,7 @@ class ORTModule(nn.Module):
         self._calls = 0
         self._building_calls = 0
         self._compile()
+        self._expose_forward()
         configure_logger(debug.log_level)
 
     @property
@@ -204,6 +210,16 @@ class ORTModule(nn.Module):
             self._building_calls += 1
         return output
 
+    def _expose_forward(self) -> None:
+        """Give this instance a ``forward`` that carries the wrapped module's signature and docstring.
+
+        Tools read ``inspect.signature(model.forward)``: Hugging Face's ``Trainer`` drops the dataset columns
+        that ``forward`` does not name, Lightning checks which arguments a step takes.
+        """
+        forward = functools.partial(ORTModule.forward, self)
+        functools.update_wrapper(forward, self._original_module.forward)
+        self.__dict__["forward"] = forward
+
     def _compile(self, backend: ORTBackend | None = None) -> None:
         """Compile an entry point of this ORTModule's own with ``backend`` (a new one if ``None``).
 
@@ -254,29 +270,58 @@ class ORTModule(nn.Module):
 
     @override
     def __setattr__(self, name: str, value: Any) -> None:
+        """Set ``name`` on the wrapped module (where ``forward`` reads it), except the wrapper's own state.
+
+        TorchDynamo guards on the attributes ``forward`` read, so a changed value takes effect on the next call.
+        """
         if isinstance(value, nn.Module):
             self.add_module(name, value)
-        super().__setattr__(name, value)
+        original = self.__dict__.get("_original_module")
+        if original is None or name == "training" or self._keeps(name):
+            super().__setattr__(name, value)
+        if original is not None and (name == "training" or not self._keeps(name)):
+            setattr(original, name, value)
+
+    @override
+    def __delattr__(self, name: str) -> None:
+        if "_original_module" not in self.__dict__ or self._keeps(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._original_module, name)
+
+    def _keeps(self, name: str) -> bool:
+        """Whether attribute ``name`` belongs to the wrapper (its own state, ``nn.Module``'s, dunders)."""
+        return name in _OWN_STATE or name in self.__dict__ or name.startswith("__")
 
     @override
     def __getattr__(self, name: str) -> Any:
+        """The wrapped module's attribute; its own methods come bound to the wrapper.
+
+        A method of the model's class (not of ``nn.Module``) that calls ``self(...)`` then runs through ONNX
+        Runtime, as it did under onnxruntime-training's ORTModule.
+        """
         try:
             return super().__getattr__(name)
         except AttributeError:
             original = self.__dict__.get("_original_module")
             if original is None:
                 raise
-            return getattr(original, name)
+            value = getattr(original, name)
+            if isinstance(value, types.MethodType) and value.__self__ is original and not hasattr(nn.Module, name):
+                return types.MethodType(value.__func__, self)
+            return value
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_backend"] = state["_compiled"] = None
+        del state["forward"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__["_calls"] = self.__dict__["_building_calls"] = 0
         self._compile()
+        self._expose_forward()
 
     @override
     def __repr__(self) -> str:

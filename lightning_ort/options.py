@@ -97,10 +97,11 @@ class DebugOptions:
     """Debugging switches of :class:`~lightning_ort.ORTModule`, as in onnxruntime-training.
 
     Args:
-        save_onnx: write every exported model (forward, backward, inference) and the model ONNX Runtime
-            optimized from it to ``<save_path>/<onnx_prefix>_<graph>.onnx``.
+        save_onnx: write every exported model and the model ONNX Runtime optimized from it to
+            ``<save_path>/<onnx_prefix>_training_forward.onnx``, ``..._training_backward.onnx`` and
+            ``..._inference.onnx`` (see :meth:`onnx_file`); needs ``onnx_prefix``.
         log_level: severity for ONNX Runtime's session logs and for the ``lightning_ort`` Python logger.
-        onnx_prefix: file name prefix of the saved models.
+        onnx_prefix: file name prefix of the saved models and profiles; required with ``save_onnx``.
         save_path: folder for the saved models and profiles; created if missing, checked for write access at once.
         profile: record ONNX Runtime's profile of every session (each kernel's time, op type and provider, per
             run) into ``<save_path>/<onnx_prefix>_<graph>_profile[_rank<N>]_<timestamp>.json``. The files are
@@ -124,13 +125,29 @@ class DebugOptions:
 
     def __post_init__(self) -> None:
         self.log_level = parse_log_level(self.log_level)
+        if not isinstance(self.onnx_prefix, str):
+            raise TypeError(f"DebugOptions(onnx_prefix={self.onnx_prefix!r}): the prefix must be a str.")
+        if self.save_onnx and not self.onnx_prefix:
+            raise ValueError(
+                "DebugOptions(save_onnx=True) needs onnx_prefix, a file name prefix for the saved models "
+                "(onnx_prefix='my_model')."
+            )
         if self.save_onnx or self.profile:
             switches = " and ".join(name for name in ("save_onnx", "profile") if getattr(self, name))
             ensure_writable_dir(Path(self.save_path), argument="save_path", switches=switches)
 
     def onnx_file(self, graph_name: str) -> Path:
-        """Path of the saved model called ``graph_name`` (``<save_path>/<onnx_prefix>_<graph_name>.onnx``)."""
-        return Path(self.save_path) / f"{self._stem(graph_name)}.onnx"
+        """Path of the saved model called ``graph_name``: ``<save_path>/<onnx_prefix>_<mode>_<graph_name>.onnx``.
+
+        The mode is ``training`` for graphs with a backward (``forward``, ``backward``) and left out for
+        ``inference`` graphs, whose name says it.
+
+        Example:
+            >>> DebugOptions(onnx_prefix="mlp").onnx_file("backward_1").name
+            'mlp_training_backward_1.onnx'
+        """
+        mode = "" if graph_name.startswith("inference") else "training_"
+        return Path(self.save_path) / f"{self._stem(mode + graph_name)}.onnx"
 
     def profile_prefix(self, graph_name: str) -> Path:
         """ONNX Runtime's ``profile_file_prefix`` for the graph ``graph_name`` (it appends a timestamp).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -71,3 +72,47 @@ def assert_grads_close(actual: torch.nn.Module, expected: torch.nn.Module) -> No
             continue
         assert a.grad is not None, f"{name}: no gradient from ORT"
         torch.testing.assert_close(a.grad, e.grad, **GRAD_TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+
+
+FP64_MULTIPLE = 3.0
+FP64_SLACK = 1e-4
+
+
+def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.double() - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def assert_fp64_accuracy(eager: torch.nn.Module, wrapped: torch.nn.Module, *inputs: torch.Tensor) -> None:
+    """ORT's outputs and parameter gradients are as close to float64's as eager float32's are.
+
+    A float64 copy of ``eager`` is the reference (torch._dynamo's accuracy checker does the same): each
+    relative distance of ``wrapped`` to it must stay within :data:`FP64_MULTIPLE` times eager float32's, plus
+    :data:`FP64_SLACK`. This tells float32 noise, which deep nets amplify, from drift.
+
+    Args:
+        eager: the float32 model; ``wrapped`` runs a copy of it.
+        wrapped: the ORTModule (its parameters equal ``eager``'s).
+        inputs: float32 inputs.
+    """
+    reference = copy.deepcopy(eager).double()
+    results = {}
+    for name, model, args in (
+        ("float64", reference, [x.double() if x.is_floating_point() else x for x in inputs]),
+        ("eager", eager, list(inputs)),
+        ("ort", wrapped, list(inputs)),
+    ):
+        model.zero_grad()
+        output = model(*args)
+        weighted_loss(output).backward()
+        results[name] = (
+            [t.detach() for t in leaf_tensors(output)],
+            [p.grad for p in model.parameters()],
+        )
+    names = ["output"] * len(results["eager"][0]) + [n for n, _ in eager.named_parameters()]
+    values = {key: [*outs, *grads] for key, (outs, grads) in results.items()}
+    for name, ref, eager_value, ort_value in zip(names, values["float64"], values["eager"], values["ort"]):
+        if ref is None:
+            continue
+        allowed = FP64_MULTIPLE * _relative(eager_value, ref) + FP64_SLACK
+        error = _relative(ort_value, ref)
+        assert error <= allowed, f"{name}: ORT's distance to float64 {error:.2e} > {allowed:.2e} (3x eager's + 1e-4)"

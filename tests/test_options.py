@@ -22,12 +22,12 @@ def test_save_onnx_writes_checked_models_with_prefix(tmp_path: Path) -> None:
         wrapped.eval()(torch.randn(2, 16))
     names = sorted(p.name for p in (tmp_path / "onnx").glob("*.onnx"))
     assert names == [
-        "mlp_backward.onnx",
-        "mlp_backward_optimized.onnx",
-        "mlp_forward.onnx",
-        "mlp_forward_optimized.onnx",
         "mlp_inference_1.onnx",
         "mlp_inference_1_optimized.onnx",
+        "mlp_training_backward.onnx",
+        "mlp_training_backward_optimized.onnx",
+        "mlp_training_forward.onnx",
+        "mlp_training_forward_optimized.onnx",
     ]
     for name in names:
         onnx.checker.check_model(str(tmp_path / "onnx" / name))
@@ -50,4 +50,4 @@ def test_unknown_log_level_lists_the_allowed_values() -> None:
 
 
 def test_onnx_file_name_without_prefix(tmp_path: Path) -> None:
-    assert DebugOptions(save_path=tmp_path).onnx_file("forward") == tmp_path / "forward.onnx"
+    assert DebugOptions(save_path=tmp_path).onnx_file("forward") == tmp_path / "training_forward.onnx"

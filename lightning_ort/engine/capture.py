@@ -15,6 +15,7 @@ updates back; TorchDynamo's guards decide when a graph is reused.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -147,13 +148,22 @@ class CapturedGraph:
                 raise self._backward_failure
         except (ExportError, SessionError) as err:
             # Failures that name ops were already narrowed to per-op fallback; what reaches here names none (or
-            # the same ops failed again), so this graph can only run whole in PyTorch.
+            # the same ops failed again). A dynamic-shape graph gets static graphs, one per shape; any other
+            # graph can only run whole in PyTorch.
             if self._options.fallback == "raise":
                 raise
+            if _symbolic(self._example_inputs):
+                log.info(
+                    "%s: the dynamic-shape %s graph could not be built (%s); building one graph per input shape",
+                    self._owner,
+                    self._tag or "first",
+                    first_line(err),
+                )
+                return PerShapeGraphs(self)
             self._log.eager_signatures += 1
             warn_fallback(
                 f"lightning_ort: {self._owner} runs in PyTorch for one of its graphs: ONNX Runtime could not build "
-                f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, "
+                f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, onnx_prefix='model', "
                 "log_level=LogLevel.VERBOSE) to see why; pass fallback='raise' to make this an error."
             )
             return self._gm.forward
@@ -161,6 +171,14 @@ class CapturedGraph:
             exported = self._log.export_seconds - exported_before
             self._log.capture_seconds += time.perf_counter() - start - exported
         return compiled
+
+    def specialize(self, args: Sequence[Any], index: int) -> Callable[..., Any]:
+        """This graph compiled for the static shapes of ``args`` (real call arguments); ``index`` names it."""
+        tag = f"{self._tag}_static{index}" if self._tag else f"static{index}"
+        static = CapturedGraph(self._gm, list(args), self._owner, tag, self._options, self._log)
+        static.runners = self.runners
+        self._log.graphs += 1
+        return static.compile()
 
     def _compiler(self, kind: str) -> AOTDispatchCompiler:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner:
@@ -197,9 +215,9 @@ class CapturedGraph:
             try:
                 return self._open(self._export(gm, example_inputs, name, key))
             except (ExportError, SessionError) as err:
-                if self._options.fallback == "raise" or not err.nodes:
-                    raise
-                unsupported = dict.fromkeys(err.nodes, _failure_reason(err))
+                if self._options.fallback == "raise":
+                    raise self._traced(gm, err) from err
+                unsupported = self._failing_nodes(gm, {}, err)
         elif self._options.fallback == "raise":
             raise ExportError(
                 f"the {name} graph has ops ONNX Runtime cannot run: {describe_ops(gm, unsupported)}.\n"
@@ -225,9 +243,7 @@ class CapturedGraph:
                     sessions.append(self._session(sub, examples, f"{name}_part{index}"))
                     setattr(split, partition, PartitionCall(sub, sessions[-1]))
             except (ExportError, SessionError) as err:
-                if not err.nodes or set(err.nodes) <= unsupported.keys():
-                    raise
-                unsupported = {**unsupported, **dict.fromkeys(err.nodes, _failure_reason(err))}
+                unsupported = {**unsupported, **self._failing_nodes(gm, unsupported, err)}
                 continue
             self._log.fallback_ops += len(unsupported)
             warn_fallback(
@@ -236,6 +252,84 @@ class CapturedGraph:
                 "partition(s)). Pass fallback='raise' to make this an error."
             )
             return PartitionedGraph(split, name, sessions, len(unsupported))
+
+    def _failing_nodes(
+        self, gm: torch.fx.GraphModule, unsupported: dict[str, str], err: ExportError | SessionError
+    ) -> dict[str, str]:
+        """The nodes of ``gm`` behind ``err``, with the reason, beyond those already ``unsupported``.
+
+        Errors that name FX nodes give them. Others (ONNX Runtime rejecting the exported model, naming only
+        ONNX nodes) are traced to one node by halving the nodes left in ONNX Runtime while a half still fails,
+        at most :data:`_MAX_BISECTED` times per graph (a failure that every node shows is not an op's).
+        Re-raises ``err`` when no new node can be blamed, so the graph runs whole in PyTorch.
+        """
+        blamed = [node for node in _graph_nodes(gm, err) if node not in unsupported]
+        if not blamed and _symbolic(self._example_inputs):
+            raise err  # CapturedGraph.compile builds static graphs instead
+        if not blamed:
+            bisected = sum(reason in _BISECTED.values() for reason in unsupported.values())
+            culprit = self._bisect(gm, unsupported) if bisected < _MAX_BISECTED else None
+            if culprit is None:
+                raise err
+            return {culprit: _BISECTED[type(err)]}
+        return dict.fromkeys(blamed, _failure_reason(err))
+
+    def _traced(self, gm: torch.fx.GraphModule, err: ExportError | SessionError) -> ExportError | SessionError:
+        """``err``, naming the ops behind it when its message names none and bisection finds them for certain.
+
+        Ops are bisected out (at most :data:`_MAX_BISECTED`) until the rest of the graph builds; if it never
+        does, the failure is not the ops' and ``err`` is returned as it is.
+        """
+        if _graph_nodes(gm, err) or _symbolic(self._example_inputs):
+            return err
+        culprits: dict[str, str] = {}
+        while len(culprits) < _MAX_BISECTED:
+            culprit = self._bisect(gm, culprits)
+            if culprit is None:
+                return err
+            culprits[culprit] = "the op"
+            if self._builds(gm, set(culprits)):
+                return type(err)(
+                    f"{err}\nBisection traced it to {describe_ops(gm, culprits)}: the graph builds without "
+                    f"{'them' if len(culprits) > 1 else 'it'}. Rewrite that part of the model, keep that submodule "
+                    "outside ORTModule, or pass fallback='auto' to run just those ops in PyTorch.",
+                    list(culprits),
+                )
+        return err
+
+    def _bisect(self, gm: torch.fx.GraphModule, unsupported: dict[str, str]) -> str | None:
+        """A node whose partition alone fails to export or load, found by halving ``gm``'s runnable nodes."""
+        runnable = [
+            node.name
+            for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is not operator.getitem and node.name not in unsupported
+        ]
+
+        def builds(kept: Sequence[str]) -> bool:
+            return self._builds(gm, {*unsupported, *(set(runnable) - set(kept))})
+
+        candidates = runnable
+        while len(candidates) > 1:
+            half = len(candidates) // 2
+            failing = [part for part in (candidates[:half], candidates[half:]) if not builds(part)]
+            if not failing:
+                return None  # the failure needs nodes from both halves
+            candidates = failing[0]  # with both failing, the other half's culprit is found in the next round
+        if candidates and not builds(candidates):
+            return candidates[0]
+        return None
+
+    def _builds(self, gm: torch.fx.GraphModule, excluded: set[str]) -> bool:
+        """Whether ONNX Runtime builds every partition of ``gm`` left once the ``excluded`` nodes run in PyTorch."""
+        split, partitions = split_graph(gm, excluded)
+        try:
+            for partition in partitions:
+                sub = getattr(split, partition)
+                examples = [node.meta["val"] for node in sub.graph.nodes if node.op == "placeholder"]
+                self._open(export_graph(sub, examples, "probe", verbose=False))
+        except (ExportError, SessionError):
+            return False
+        return True
 
     def _session(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphSession:
         """A session on ``gm``: loaded from the disk cache, or exported (and saved there)."""
@@ -268,6 +362,44 @@ class CapturedGraph:
 
     def _open(self, graph: ExportedGraph) -> GraphSession:
         return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+
+
+class PerShapeGraphs:
+    """Runs a dynamic-shape graph that ONNX Runtime could not build, as one static graph per input shape.
+
+    Some exports only fail with symbolic sizes (an attribute ONNX needs as a constant, such as a transposed
+    convolution's ``output_padding``, becomes a size expression); TorchDynamo has already decided the graph is
+    dynamic, so the specialization happens here, keyed by the call's shapes and integer arguments.
+
+    Args:
+        graph: the dynamic-shape graph.
+    """
+
+    def __init__(self, graph: CapturedGraph) -> None:
+        self._graph = graph
+        self._compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a for a in args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._graph.specialize(args, len(self._compiled))
+        return compiled(*args)
+
+
+def _graph_nodes(gm: torch.fx.GraphModule, err: ExportError | SessionError) -> list[str]:
+    """The nodes of ``gm`` that ``err`` names (an ONNX Runtime message names ONNX nodes, which are not)."""
+    names = {node.name for node in gm.graph.nodes}
+    return [node for node in err.nodes if node in names]
+
+
+def _symbolic(values: Sequence[Any]) -> bool:
+    """Whether any of ``values`` (example inputs) has a symbolic size or is a symbolic integer."""
+    return any(
+        isinstance(value, torch.SymInt)
+        or (isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape))
+        for value in values
+    )
 
 
 class CaptureError(RuntimeError):
@@ -315,6 +447,15 @@ def _partition(
     forward.meta[_SAVED_FROM] = saved_from
     return forward, backward
 
+
+_MAX_BISECTED = 4
+"""Nodes one graph may have moved to PyTorch by bisection before it runs whole in PyTorch instead."""
+
+_BISECTED: dict[type[Exception], str] = {
+    SessionError: "bisection traced ONNX Runtime's failure to load the graph to",
+    ExportError: "bisection traced the ONNX export's failure to",
+}
+"""Fallback reasons of the nodes :meth:`CapturedGraph._bisect` found, by the error that started it."""
 
 _SAVED_FROM = "lightning_ort_saved_from"
 """``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""

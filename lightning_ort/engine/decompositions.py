@@ -12,7 +12,9 @@ Core ATen decompositions, plus:
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
-* on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``.
+* on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``;
+* ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
+  (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
 
 Before AOTAutograd traces a graph, :func:`lightning_ort.engine.rewrites.substitute_functions` replaces SDPA by
 :func:`attention`, its math path written with plain ops (the fused kernels' backward ops have no ONNX
@@ -646,6 +648,71 @@ def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
 
 
+_ERFC_POLYNOMIAL = (
+    -1.26551223,
+    1.00002368,
+    0.37409196,
+    0.09678418,
+    -0.18628806,
+    0.27886807,
+    -1.13520398,
+    1.48851587,
+    -0.82215223,
+    0.17087277,
+)
+"""Chebyshev fit of ``erfc`` (Numerical Recipes' ``erfcc``): fractional error below 1.2e-7 for every ``x``."""
+
+
+def _erfcx_of_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """``erfcx(|x|) = exp(x**2) * erfc(|x|)``, with no overflow or cancellation at any ``|x|``."""
+    t = 1.0 / (1.0 + 0.5 * x.abs())
+    polynomial = torch.full_like(t, _ERFC_POLYNOMIAL[-1])
+    for coefficient in reversed(_ERFC_POLYNOMIAL[:-1]):
+        polynomial = polynomial * t + coefficient
+    return t * torch.exp(polynomial)
+
+
+def erfc(x: torch.Tensor) -> torch.Tensor:
+    """``aten.erfc`` to full relative precision in the tail.
+
+    The ONNX translation computes ``1 - Erf(x)``, which cancels to 0 from ``x`` near 4 in float32, where the
+    true value (and eager's) is still around 1e-8 and above; ``log`` of it (``log_ndtr``) then went to ``-inf``.
+
+    Example:
+        >>> round(erfc(torch.tensor(6.0)).item() / torch.erfc(torch.tensor(6.0)).item(), 5)
+        1.0
+    """
+    tail = _erfcx_of_magnitude(x) * torch.exp(-x * x)
+    return torch.where(x >= 0, tail, 2.0 - tail)
+
+
+def erfcx(x: torch.Tensor) -> torch.Tensor:
+    """``aten.special_erfcx``: ``exp(x**2) * erfc(x)`` without its overflow (the ONNX translation's form).
+
+    Example:
+        >>> round(erfcx(torch.tensor(30.0)).item(), 4)
+        0.0188
+    """
+    magnitude = _erfcx_of_magnitude(x)
+    return torch.where(x >= 0, magnitude, 2.0 * torch.exp(x * x) - magnitude)
+
+
+def log_ndtr(x: torch.Tensor) -> torch.Tensor:
+    """``aten.special_log_ndtr``: ``log`` of the normal CDF, finite far into the lower tail.
+
+    ``ndtr(x) = erfc(z) / 2`` with ``z = -x / sqrt(2)``; for ``x < 0`` the log is taken term by term,
+    ``log(1/2) + log(erfcx(z)) - z**2``, instead of the log of an underflowed product.
+
+    Example:
+        >>> round(log_ndtr(torch.tensor(-30.0)).item(), 2)
+        -454.32
+    """
+    z = x * -math.sqrt(0.5)
+    lower = math.log(0.5) + torch.log(_erfcx_of_magnitude(z)) - z * z
+    upper = torch.log1p(-0.5 * erfc(-z))
+    return torch.where(x < 0, lower, upper)
+
+
 @functools.cache
 def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
@@ -670,6 +737,9 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
         ),
         aten._safe_softmax.default: safe_softmax,
         aten.copy.default: copy,
+        aten.erfc.default: erfc,
+        aten.special_erfcx.default: erfcx,
+        aten.special_log_ndtr.default: log_ndtr,
         aten.convolution_backward.default: convolution_backward,
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,

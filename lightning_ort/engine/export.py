@@ -8,7 +8,8 @@ Three steps, in :func:`export_graph`:
    needs unique output names); :class:`OutputLayout` maps them back to the FX graph's output positions.
    Outputs ONNX Runtime would only copy are produced in PyTorch instead: inputs returned as they are
    (parameters, dropout masks saved for backward) and reshapes of saved tensors, replayed as views.
-3. ``torch.onnx.export(..., dynamo=True)`` translates the graph; a failure names the op and the module.
+3. ``torch.onnx.export(..., dynamo=True)`` translates the graph (a failure names the op and the module), and
+   :func:`~lightning_ort.engine.onnx_rewrites.simplify` folds its constants.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from lightning_ort.engine.onnx_rewrites import (
     dequantize_scaled_masks,
     fuse_transposed_operands,
     nchwc_block_size,
+    simplify,
     split_gemm_bias,
     sum_rows_by_product,
     use_nchwc_convolutions,
@@ -227,7 +229,8 @@ def export_graph(
     """
     gm = copy_graph_module(gm)
     symbolic = any(_is_symbolic(value) for value in example_inputs)
-    dropped = _inline_size_inputs(gm, example_inputs) if symbolic else ()
+    sizes = any(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) for value in example_inputs)
+    dropped = _inline_size_inputs(gm, example_inputs) if symbolic or sizes else ()
     tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
     device = next((value.device for value in tensor_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
     fake_mode = detect_fake_mode(example_inputs)
@@ -246,8 +249,10 @@ def export_graph(
         # tensors (a graph's tensor constants, such as T5's relative-position buckets).
         with quiet_exporter(verbose), tracing(None), unset_fake_temporarily():
             program = torch.onnx.export(
-                gm, inputs, dynamo=True, verbose=verbose, optimize=True, dynamic_shapes=dynamic_shapes
+                gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes
             )
+            if program is not None:
+                simplify(program.model)
     except Exception as err:
         raise _export_failure(gm, name, err) from err
     if program is None or program.model_proto is None:
@@ -476,13 +481,16 @@ _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 
 def _lift_random_ops(gm: torch.fx.GraphModule, device: torch.device) -> tuple[list[Noise], list[torch.Tensor]]:
     graph = gm.graph
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last_placeholder: torch.fx.Node | None = placeholders[-1] if placeholders else None
     noises: list[Noise] = []
     examples: list[torch.Tensor] = []
 
     def new_input(noise: Noise, shape: Sequence[int | torch.SymInt]) -> torch.fx.Node:
         nonlocal last_placeholder
-        with graph.inserting_after(last_placeholder):
+        # A graph (partition) may read no input at all: its noise inputs then come first.
+        where = graph.inserting_after(last_placeholder) if last_placeholder else graph.inserting_before()
+        with where:
             node = graph.placeholder(f"noise_{len(noises)}")
         example = torch.zeros(tuple(shape), dtype=noise.dtype, device=device)
         node.meta["val"] = example

@@ -1,5 +1,7 @@
-"""Rewrites of exported ONNX graphs that pick faster ONNX Runtime kernels.
+"""Passes over exported ONNX graphs: a bounded clean-up, and rewrites that pick faster ONNX Runtime kernels.
 
+* :func:`simplify`: inlining, constant folding and dead-code removal, as ``torch.onnx``'s optimizer does, without
+  its pattern rewriter.
 * :func:`split_gemm_bias` (CPU graphs): a ``Gemm`` with a bias becomes a product and an ``Add`` (ONNX Runtime's
   CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
@@ -33,8 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
+import onnxscript.optimizer
 from onnx import helper, numpy_helper
+from onnx_ir.passes import common as common_passes
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
 """ONNX Runtime graph optimizers our sessions turn off (see the module docstring)."""
@@ -43,6 +48,39 @@ _MICROSOFT = "com.microsoft"
 _NCHWC = "com.microsoft.nchwc"
 
 log = logging.getLogger(__name__)
+
+
+def simplify(model: ir.Model) -> None:
+    """Inline functions, fold constants and drop what nothing reads, in place.
+
+    This is ``torch.onnx.export(optimize=True)``'s pipeline without its pattern rewriter: matching its rules
+    costs time that grows with the graph (most of the optimizer's time, and minutes on large backward
+    graphs), while ONNX Runtime's own graph optimizations, run when the session is built, cover what they
+    rewrite (cast, transpose and reshape chains, identities, batch-norm folding). See the benchmarks page.
+    """
+    ir.passes.Sequential(
+        common_passes.InlinePass(),
+        ir.passes.PassManager(
+            [_FoldConstants(), common_passes.RemoveUnusedNodesPass(), common_passes.RemoveUnusedFunctionsPass()],
+            steps=2,
+            early_stop=True,
+        ),
+        common_passes.RemoveUnusedOpsetsPass(),
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common_passes.LiftSubgraphInitializersToMainGraphPass(),
+        common_passes.DeduplicateInitializersPass(),
+        common_passes.CommonSubexpressionEliminationPass(),
+        common_passes.OutputFixPass(),
+        common_passes.NameFixPass(),
+    )(model)
+
+
+class _FoldConstants(ir.passes.InPlacePass):
+    """onnxscript's constant folding (with node-level shape inference) as a pass."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        result = onnxscript.optimizer.fold_constants_ir(model, onnx_shape_inference=True)
+        return ir.passes.PassResult(model, modified=result.modified)
 
 
 def fuse_transposed_operands(model: onnx.ModelProto) -> int:

@@ -31,17 +31,24 @@ aten = torch.ops.aten
 def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[str, str]:
     """Nodes of ``gm`` ONNX Runtime cannot run, by name, each with the reason.
 
-    Ops the ONNX exporter neither translates nor decomposes, and on CPU ops on ``bfloat16`` tensors (ONNX
-    Runtime's CPU provider has kernels for casting them, not for computing with them).
+    Ops the ONNX exporter neither translates nor decomposes; ops on complex tensors (the exporter stores them
+    as real tensors with a trailing axis of 2, which ONNX Runtime's kernels and our session I/O do not
+    share: results would come back misshapen); and on CPU ops on ``bfloat16`` tensors (ONNX Runtime's CPU
+    provider has kernels for casting them, not for computing with them).
     """
     covered = _onnx_coverage()
     reasons: dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
+        dtypes = _dtypes(node)
         if node.target not in covered:
             reasons[node.name] = "ONNX has no translation for"
-        elif device.type == "cpu" and node.target not in _CASTS and _touches_bfloat16(node):
+        elif _ignored_argument(node):
+            reasons[node.name] = f"the ONNX translation ignores `{_ignored_argument(node)}` of"
+        elif any(dtype.is_complex for dtype in dtypes):
+            reasons[node.name] = "ONNX Runtime has no complex tensors for"
+        elif device.type == "cpu" and node.target not in _CASTS and torch.bfloat16 in dtypes:
             reasons[node.name] = "ONNX Runtime's CPUExecutionProvider has no bfloat16 kernel for"
     return reasons
 
@@ -65,10 +72,27 @@ def _places(origins: set[str], shown: int = 3) -> str:
     return ", ".join(ordered[:shown]) + more
 
 
-def _touches_bfloat16(node: torch.fx.Node) -> bool:
+_IGNORED_ARGUMENTS = {
+    aten.avg_pool2d.default: (6, "divisor_override"),
+    aten.avg_pool3d.default: (6, "divisor_override"),
+}
+"""Op arguments the ONNX translation drops (``AveragePool`` has no divisor): position and name."""
+
+
+def _ignored_argument(node: torch.fx.Node) -> str | None:
+    """The name of an argument of ``node`` that is set but that the ONNX translation would ignore."""
+    position, name = _IGNORED_ARGUMENTS.get(node.target, (-1, ""))  # type: ignore[call-overload]
+    if position < 0:
+        return None
+    value = node.args[position] if len(node.args) > position else node.kwargs.get(name)
+    return name if value is not None else None
+
+
+def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:
+    """The dtypes of the tensors ``node`` reads and writes."""
     values = [node.meta.get("val"), *(arg.meta.get("val") for arg in node.all_input_nodes)]
     flat = [v for value in values for v in (value if isinstance(value, (tuple, list)) else (value,))]
-    return any(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 for v in flat)
+    return {v.dtype for v in flat if isinstance(v, torch.Tensor)}
 
 
 _CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default})

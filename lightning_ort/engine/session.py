@@ -236,8 +236,8 @@ class GraphSession:
             raise SessionError(
                 f"ONNX Runtime failed while running the {self.name} graph: {err}\n"
                 "Nothing was written to the parameters, their gradients or the optimizer state by this call: "
-                "save a checkpoint or retry the step. If it repeats, run with "
-                "DebugOptions(save_onnx=True, log_level=LogLevel.VERBOSE) and report the saved model."
+                "save a checkpoint or retry the step. If it repeats, run with DebugOptions(save_onnx=True, "
+                "onnx_prefix='model', log_level=LogLevel.VERBOSE) and report the saved model."
             ) from err
         self._last_run_s = time.perf_counter() - start
         self.runs += 1

@@ -19,11 +19,11 @@ class _Repeats(torch.nn.Module):
 
 def test_repeated_subexpressions_are_computed_once(tmp_path: Path) -> None:
     # functorch's own CSE pass is off during partitioning; the ONNX translation removes the duplicates.
-    wrapped = ORTModule(_Repeats(), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(_Repeats(), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(4, 8, requires_grad=True)
     y = wrapped(x)
     y.sum().backward()
-    ops = [node.op_type for node in onnx.load(str(tmp_path / "forward.onnx")).graph.node]
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "m_training_forward.onnx")).graph.node]
     assert ops.count("Sin") == 1 and ops.count("Cos") == 1, ops
     reference = x.detach().clone().requires_grad_(True)
     expected = torch.sin(reference) ** 2 + torch.cos(reference) ** 2

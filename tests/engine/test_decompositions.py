@@ -79,11 +79,11 @@ def test_large_columns_are_unfolded_in_parts_in_the_exported_graph(
     monkeypatch.setattr(decompositions, "COLUMN_BYTES", 8 * 16 * 9 * 36 * 4)  # the columns of 8 of the 20 images
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3, padding=1))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(20, 3, 8, 8)
     wrapped(x).square().sum().backward()
     eager(x).square().sum().backward()
-    graph = onnx.load(str(tmp_path / "backward.onnx")).graph
+    graph = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph
     depthwise = [n for n in graph.node if n.op_type == "Conv" and any(a.name == "group" for a in n.attribute)]
     unfolds = [n for n in depthwise if next(a.i for a in n.attribute if a.name == "group") == 16]
     assert len(unfolds) == 3, [n.name for n in unfolds]  # 7 + 7 + 6 images
@@ -150,12 +150,12 @@ def test_batch_norm_trains_through_one_onnx_batch_normalization_per_layer(tmp_pa
         torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4)
     )
     eager(torch.randn(2, 3, 6, 6))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(16, 3, 6, 6) * 2 + 5
     for model in (eager, wrapped):
         model(x).square().sum().backward()
-    forward = [n.op_type for n in onnx.load(str(tmp_path / "forward.onnx")).graph.node]
-    backward = [n.op_type for n in onnx.load(str(tmp_path / "backward.onnx")).graph.node]
+    forward = [n.op_type for n in onnx.load(str(tmp_path / "m_training_forward.onnx")).graph.node]
+    backward = [n.op_type for n in onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node]
     assert forward.count("BatchNormalization") == 1 and backward.count("BatchNormalization") == 1
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
@@ -184,11 +184,11 @@ def test_threshold_backward_differs_from_aten_only_on_non_finite_gradients_it_ze
 def test_relu_gradient_on_cpu_is_a_product_not_a_where(tmp_path: Path) -> None:
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(8, 16)
     wrapped(x).square().sum().backward()
     eager(x).square().sum().backward()
-    ops = [node.op_type for node in onnx.load(str(tmp_path / "backward.onnx")).graph.node]
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node]
     assert "Where" not in ops and "Mul" in ops, ops
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)

@@ -59,23 +59,26 @@ def test_fused_matmul_computes_the_same_product() -> None:
 def test_weight_gradient_keeps_its_transpose_explicit(tmp_path: Path) -> None:
     # Linear(8, 4)'s weight gradient is grad.T @ input, a transposed *left* operand, with fewer rows (4) than
     # columns (8): ONNX Runtime's fused kernel for that is slower than an explicit Transpose and MatMul.
-    wrapped = ORTModule(torch.nn.Linear(8, 4), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(torch.nn.Linear(8, 4), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     wrapped(torch.randn(5, 8)).sum().backward()
-    for name in ("backward.onnx", "backward_optimized.onnx"):
+    for name in ("m_training_backward.onnx", "m_training_backward_optimized.onnx"):
         graph = onnx.load(str(tmp_path / name)).graph
         assert not any(_attribute(node, "transA") == 1 for node in graph.node), name
-    assert any(node.op_type == "Transpose" for node in onnx.load(str(tmp_path / "backward_optimized.onnx")).graph.node)
+    assert any(
+        node.op_type == "Transpose"
+        for node in onnx.load(str(tmp_path / "m_training_backward_optimized.onnx")).graph.node
+    )
 
 
 def test_weight_gradient_with_more_rows_fuses_its_transpose(tmp_path: Path) -> None:
     # Linear(4, 16): the gradient has more rows (16) than columns (4), where transA measured faster.
     torch.manual_seed(0)
     eager = torch.nn.Linear(4, 16)
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(5, 4)
     wrapped(x).square().sum().backward()
     eager(x).square().sum().backward()
-    graph = onnx.load(str(tmp_path / "backward.onnx")).graph
+    graph = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph
     assert any(node.op_type == "FusedMatMul" and _attribute(node, "transA") == 1 for node in graph.node)
     torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-6)
 
@@ -110,10 +113,10 @@ def test_linear_bias_is_added_after_the_product(tmp_path: Path) -> None:
     # The exporter writes Linear as Gemm(x, Transpose(W), b); it runs as FusedMatMul(x, W, transB) and Add.
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(5, 16)
     torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-6)
-    for name in ("forward.onnx", "forward_optimized.onnx"):
+    for name in ("m_training_forward.onnx", "m_training_forward_optimized.onnx"):
         ops = [node.op_type for node in onnx.load(str(tmp_path / name)).graph.node]
         assert "Gemm" not in ops and ops.count("Add") == 2, (name, ops)
     assert ops.count("FusedMatMul") == 2, ops
@@ -268,7 +271,7 @@ def test_conv_net_trains_like_eager_on_nchwc_kernels(tmp_path: Path) -> None:
         torch.nn.Flatten(),
         torch.nn.Linear(16 * 8 * 8, 10),
     )
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, save_path=tmp_path))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(4, 3, 16, 16)
     for _ in range(2):
         ours, theirs = wrapped(x), eager(x)
@@ -278,7 +281,7 @@ def test_conv_net_trains_like_eager_on_nchwc_kernels(tmp_path: Path) -> None:
     for (name, mine), reference in zip(wrapped.module.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-4, atol=1e-4, msg=name)
     for graph in ("forward", "backward"):
-        nodes = onnx.load(str(tmp_path / f"{graph}.onnx")).graph.node
+        nodes = onnx.load(str(tmp_path / f"m_training_{graph}.onnx")).graph.node
         assert any(n.domain == "com.microsoft.nchwc" and n.op_type == "Conv" for n in nodes), graph
 
 

@@ -128,3 +128,48 @@ def test_graph_onnx_runtime_cannot_load_with_fallback_raise(monkeypatch: pytest.
         ORTModule(model, fallback="raise")(torch.randn(2, 16))
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+class _CumprodBetweenLayers(torch.nn.Module):
+    """``cumprod``'s exported backward is a model ONNX Runtime refuses (an ``ArgMax`` on booleans), naming no op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.last = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.cumprod(torch.tanh(self.first(x)), dim=1))
+
+
+def test_op_onnx_runtime_rejects_runs_in_pytorch_and_the_layers_stay_in_ort() -> None:
+    torch.manual_seed(0)
+    eager = _CumprodBetweenLayers()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, wrapped)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FallbackWarning)
+        for step in range(3):
+            x = torch.randn(5, 8)
+            losses = []
+            for model, optimizer in zip((eager, wrapped), optimizers):
+                optimizer.zero_grad()
+                loss = model(x).square().mean()
+                loss.backward()
+                losses.append(loss)
+            assert_grads_close(wrapped, eager)
+            torch.testing.assert_close(losses[1], losses[0], **OUTPUT_TOLERANCE)
+            for optimizer in optimizers:
+                optimizer.step()
+            if step == 0:
+                with torch.profiler.profile() as profile:
+                    wrapped(x).square().mean().backward()
+                wrapped.zero_grad()
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert fallbacks and all("cumprod" in message for message in fallbacks), fallbacks
+    assert len({message.split("graph runs")[0] for message in fallbacks}) == len(fallbacks)  # once per graph
+    ran = {event.name for event in profile.events()}
+    assert not ran & {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
+    assert "aten::cumprod" in ran
+    stats = wrapped.statistics
+    assert stats.fallback_ops >= 1 and stats.eager_signatures == 0 and stats.backward_runs == 4

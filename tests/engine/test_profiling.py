@@ -112,4 +112,4 @@ def test_unwritable_save_path_fails_when_profiling_is_asked_for(tmp_path: Path) 
     with pytest.raises(ValueError, match=r"save_path=.*cannot be written.*set profile=False"):
         DebugOptions(profile=True, save_path=blocker / "sub")
     with pytest.raises(ValueError, match=r"set save_onnx and profile=False"):
-        DebugOptions(save_onnx=True, profile=True, save_path=blocker / "sub")
+        DebugOptions(save_onnx=True, onnx_prefix="m", profile=True, save_path=blocker / "sub")

@@ -35,10 +35,10 @@ def test_yaml_strategy_config_trains_and_saves_prefixed_onnx(tmp_path: Path) -> 
     result = _cli(tmp_path, "--config", str(CONFIG), *FAST)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = sorted(p.name for p in (tmp_path / "onnx_models").glob("*.onnx"))
-    assert "lit_lm_encoder_forward_1.onnx" in saved
-    assert "lit_lm_encoder_backward_1_optimized.onnx" in saved
+    assert "lit_lm_encoder_training_forward_1.onnx" in saved
+    assert "lit_lm_encoder_training_backward_1_optimized.onnx" in saved
     assert all(name.startswith("lit_lm_encoder_") for name in saved)
-    onnx.checker.check_model(str(tmp_path / "onnx_models" / "lit_lm_encoder_backward_1.onnx"))
+    onnx.checker.check_model(str(tmp_path / "onnx_models" / "lit_lm_encoder_training_backward_1.onnx"))
     assert "[V:onnxruntime" in result.stderr, "log_level VERBOSE reaches ONNX Runtime's session logger"
 
 

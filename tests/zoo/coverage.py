@@ -7,9 +7,18 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from lightning_ort import FallbackWarning, ORTModule
-from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE, clone_inputs, leaf_tensors, weighted_loss
+from tests.helpers import (
+    FP64_MULTIPLE,
+    FP64_SLACK,
+    GRAD_TOLERANCE,
+    OUTPUT_TOLERANCE,
+    clone_inputs,
+    leaf_tensors,
+    weighted_loss,
+)
 from tests.zoo.features import Case
 
 FULL, PARTIAL, PYTORCH = "ONNX Runtime", "partly (per-op fallback)", "PyTorch (whole call)"
@@ -26,7 +35,8 @@ class ZooResult:
         runs_in: :data:`FULL`, :data:`PARTIAL` or :data:`PYTORCH`.
         output_error: largest absolute output difference from eager.
         grad_error: largest absolute gradient difference from eager (parameters and inputs).
-        correct: outputs and gradients within the stated tolerances.
+        correct: outputs and gradients within the stated tolerances of eager's, and every parameter gradient
+            within 3x eager float32's distance (+ 1e-4) of a float64 copy's.
         fallback_ops: ops that ran in PyTorch.
         note: the fallback warning, if any.
     """
@@ -47,6 +57,9 @@ def run_case(case: Case) -> ZooResult:
     wrapped = ORTModule(copy.deepcopy(eager)).train(case.train)
     args, kwargs = case.make_inputs(torch.Generator().manual_seed(1))
     eager_inputs, ort_inputs = clone_inputs((args, kwargs)), clone_inputs((args, kwargs))
+    reference = copy.deepcopy(eager).double()
+    reference_inputs = tree_map_only(torch.Tensor, _as_float64, clone_inputs((args, kwargs)))
+    weighted_loss(reference(*reference_inputs[0], **reference_inputs[1])).backward()
 
     expected = eager(*eager_inputs[0], **eager_inputs[1])
     with warnings.catch_warnings(record=True) as caught:
@@ -59,6 +72,8 @@ def run_case(case: Case) -> ZooResult:
     eager_grads = [t.grad for t in (*leaf_tensors(eager_inputs), *eager.parameters())]
     ort_grads = [t.grad for t in (*leaf_tensors(ort_inputs), *wrapped.parameters())]
     grads_correct, grad_error = _compare(ort_grads, eager_grads, GRAD_TOLERANCE)
+    reference_grads = [p.grad for p in reference.parameters()]
+    drift = _float64_drift(list(wrapped.parameters()), list(eager.parameters()), reference_grads)
 
     stats = wrapped.statistics
     if stats.eager_signatures:
@@ -68,9 +83,37 @@ def run_case(case: Case) -> ZooResult:
     else:
         runs_in = FULL if stats.forward_runs and stats.backward_runs else PYTORCH
     notes = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    if drift:
+        notes.append(drift)
     return ZooResult(
-        case.name, runs_in, output_error, grad_error, correct and grads_correct, stats.fallback_ops, " ".join(notes)
+        case.name,
+        runs_in,
+        output_error,
+        grad_error,
+        correct and grads_correct and not drift,
+        stats.fallback_ops,
+        " ".join(notes),
     )
+
+
+def _as_float64(tensor: torch.Tensor) -> torch.Tensor:
+    value = tensor.detach().double() if tensor.is_floating_point() else tensor.detach()
+    return value.requires_grad_(tensor.requires_grad)
+
+
+def _float64_drift(
+    ort: list[torch.nn.Parameter], eager: list[torch.nn.Parameter], reference: list[torch.Tensor | None]
+) -> str:
+    """Names the first parameter whose ORT gradient is further from float64's than 3x eager's (+ 1e-4), if any."""
+    for index, (mine, theirs, exact) in enumerate(zip(ort, eager, reference)):
+        if exact is None or mine.grad is None or theirs.grad is None:
+            continue
+        scale = float(exact.norm().clamp_min(1e-30))
+        allowed = FP64_MULTIPLE * float((theirs.grad.double() - exact).norm()) / scale + FP64_SLACK
+        error = float((mine.grad.double() - exact).norm()) / scale
+        if error > allowed:
+            return f"parameter {index}: distance to float64 {error:.1e} > {allowed:.1e} (3x eager's + 1e-4)"
+    return ""
 
 
 def _compare(
