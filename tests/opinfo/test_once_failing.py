@@ -1,0 +1,13 @@
+"""OpInfo checks of the ops that once gave wrong results or errors through ORTModule: each now matches eager."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.opinfo import assert_matches_eager
+from tests.opinfo.conformance import ONCE_FAILING
+
+
+@pytest.mark.parametrize("name", ONCE_FAILING)
+def test_op_matches_eager(name: str) -> None:
+    assert_matches_eager(name)
