@@ -140,7 +140,7 @@ class CapturedGraph:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
             # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
             # translation, and their auxiliary outputs do not survive the export.
-            with sdpa_kernel(SDPBackend.MATH):
+            with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(_AOT_GRAPH_COMPILE_LOG):
                 compiled = backend(self._gm, self._example_inputs)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
@@ -362,6 +362,35 @@ class CapturedGraph:
 
     def _open(self, graph: ExportedGraph) -> GraphSession:
         return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+
+
+_AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"
+
+
+class _OwnFailuresUnlogged(logging.Filter):
+    """Drops a logger's records of our export or session failures while in use (we report those ourselves).
+
+    AOTAutograd compiles a dynamic-shape graph's backward ahead of time and logs a failure, with its traceback,
+    at WARNING level before deferring it to the first backward; :meth:`CapturedGraph.compile` reports it
+    instead, and builds one graph per shape.
+
+    Args:
+        logger: the name of the logger to filter.
+    """
+
+    def __init__(self, logger: str) -> None:
+        super().__init__()
+        self._logger = logging.getLogger(logger)
+
+    def __enter__(self) -> None:
+        self._logger.addFilter(self)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._logger.removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failure = record.exc_info[1] if record.exc_info else None
+        return not isinstance(failure, (ExportError, SessionError))
 
 
 class PerShapeGraphs:
