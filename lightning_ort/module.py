@@ -277,9 +277,10 @@ class ORTModule(nn.Module):
         if isinstance(value, nn.Module):
             self.add_module(name, value)
         original = self.__dict__.get("_original_module")
-        if original is None or name == "training" or self._keeps(name):
+        own = original is None or self._keeps(name)
+        if own:
             super().__setattr__(name, value)
-        if original is not None and (name == "training" or not self._keeps(name)):
+        if original is not None and (not own or name == "training"):
             setattr(original, name, value)
 
     @override

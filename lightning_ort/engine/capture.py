@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.engine.dynamic import is_symbolic
 from lightning_ort.engine.export import ExportedGraph, ExportError, export_graph, first_line
 from lightning_ort.engine.partition import (
     PartitionCall,
@@ -119,6 +120,7 @@ class CapturedGraph:
         self._options = options
         self._log = build_log
         self._backward_failure: ExportError | SessionError | None = None
+        self._symbolic = any(is_symbolic(value) for value in example_inputs)
         self.runners: list[tuple[str, GraphRunner]] = []
 
     def compile(self) -> Callable[..., Any]:
@@ -152,7 +154,7 @@ class CapturedGraph:
             # graph can only run whole in PyTorch.
             if self._options.fallback == "raise":
                 raise
-            if _symbolic(self._example_inputs):
+            if self._symbolic:
                 log.info(
                     "%s: the dynamic-shape %s graph could not be built (%s); building one graph per input shape",
                     self._owner,
@@ -264,7 +266,7 @@ class CapturedGraph:
         Re-raises ``err`` when no new node can be blamed, so the graph runs whole in PyTorch.
         """
         blamed = [node for node in _graph_nodes(gm, err) if node not in unsupported]
-        if not blamed and _symbolic(self._example_inputs):
+        if not blamed and self._symbolic:
             raise err  # CapturedGraph.compile builds static graphs instead
         if not blamed:
             bisected = sum(reason in _BISECTED.values() for reason in unsupported.values())
@@ -280,7 +282,7 @@ class CapturedGraph:
         Ops are bisected out (at most :data:`_MAX_BISECTED`) until the rest of the graph builds; if it never
         does, the failure is not the ops' and ``err`` is returned as it is.
         """
-        if _graph_nodes(gm, err) or _symbolic(self._example_inputs):
+        if _graph_nodes(gm, err) or self._symbolic:
             return err
         culprits: dict[str, str] = {}
         while len(culprits) < _MAX_BISECTED:
@@ -420,15 +422,6 @@ def _graph_nodes(gm: torch.fx.GraphModule, err: ExportError | SessionError) -> l
     """The nodes of ``gm`` that ``err`` names (an ONNX Runtime message names ONNX nodes, which are not)."""
     names = {node.name for node in gm.graph.nodes}
     return [node for node in err.nodes if node in names]
-
-
-def _symbolic(values: Sequence[Any]) -> bool:
-    """Whether any of ``values`` (example inputs) has a symbolic size or is a symbolic integer."""
-    return any(
-        isinstance(value, torch.SymInt)
-        or (isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape))
-        for value in values
-    )
 
 
 class CaptureError(RuntimeError):

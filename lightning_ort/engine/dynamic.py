@@ -19,6 +19,18 @@ def symbolic_size(size: int | torch.SymInt) -> sympy.Expr | int:
     return int(size)
 
 
+def symbolic_dims(value: torch.Tensor) -> list[int]:
+    """The dimensions of ``value`` whose size is symbolic."""
+    return [dim for dim, size in enumerate(value.shape) if not isinstance(symbolic_size(size), int)]
+
+
+def is_symbolic(value: object) -> bool:
+    """Whether ``value`` (a graph's example input) is a symbolic integer or a tensor with a symbolic size."""
+    if isinstance(value, torch.SymInt):
+        return not isinstance(symbolic_size(value), int)
+    return isinstance(value, torch.Tensor) and bool(symbolic_dims(value))
+
+
 def evaluate(size: sympy.Expr | int, env: dict[sympy.Symbol, int]) -> int:
     """The value of a (possibly symbolic) size for the symbol values ``env``."""
     if isinstance(size, int):

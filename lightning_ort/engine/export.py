@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.decompositions import DROPOUT_KEEP
-from lightning_ort.engine.dynamic import evaluate, symbolic_size
+from lightning_ort.engine.dynamic import evaluate, is_symbolic, symbolic_dims, symbolic_size
 from lightning_ort.engine.onnx_rewrites import (
     dequantize_scaled_masks,
     fuse_transposed_operands,
@@ -228,9 +228,9 @@ def export_graph(
             tensors); those may be returned as views. ``None``: every output reaches the user.
     """
     gm = copy_graph_module(gm)
-    symbolic = any(_is_symbolic(value) for value in example_inputs)
+    symbolic = any(is_symbolic(value) for value in example_inputs)
     sizes = any(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) for value in example_inputs)
-    dropped = _inline_size_inputs(gm, example_inputs) if symbolic or sizes else ()
+    dropped = _inline_size_inputs(gm, example_inputs) if sizes else ()
     tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
     device = next((value.device for value in tensor_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
     fake_mode = detect_fake_mode(example_inputs)
@@ -296,18 +296,8 @@ def _size_symbols(values: Sequence[Any]) -> Symbols:
     return symbols
 
 
-def _symbolic_dims(value: torch.Tensor) -> list[int]:
-    return [dim for dim, size in enumerate(value.shape) if not isinstance(symbolic_size(size), int)]
-
-
-def _is_symbolic(value: object) -> bool:
-    if isinstance(value, torch.SymInt):
-        return not isinstance(symbolic_size(value), int)
-    return isinstance(value, torch.Tensor) and bool(_symbolic_dims(value))
-
-
 def _dynamic_dims(value: torch.Tensor) -> dict[int, Any] | None:
-    return {dim: torch.export.Dim.DYNAMIC for dim in _symbolic_dims(value)} or None
+    return {dim: torch.export.Dim.DYNAMIC for dim in symbolic_dims(value)} or None
 
 
 def _concrete(value: torch.Tensor) -> torch.Tensor:

@@ -53,10 +53,10 @@ log = logging.getLogger(__name__)
 def simplify(model: ir.Model) -> None:
     """Inline functions, fold constants and drop what nothing reads, in place.
 
-    This is ``torch.onnx.export(optimize=True)``'s pipeline without its pattern rewriter: matching its rules
-    costs time that grows with the graph (most of the optimizer's time, and minutes on large backward
-    graphs), while ONNX Runtime's own graph optimizations, run when the session is built, cover what they
-    rewrite (cast, transpose and reshape chains, identities, batch-norm folding). See the benchmarks page.
+    This is ``torch.onnx.export(optimize=True)``'s pipeline without its pattern rewriter, whose matching cost
+    grows with the graph while ONNX Runtime's own graph optimizations, run when the session is built, cover
+    what it rewrites (cast, transpose and reshape chains, identities, batch-norm folding). The benchmarks page
+    compares the two.
     """
     ir.passes.Sequential(
         common_passes.InlinePass(),

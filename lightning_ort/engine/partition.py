@@ -44,8 +44,8 @@ def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[st
         dtypes = _dtypes(node)
         if node.target not in covered:
             reasons[node.name] = "ONNX has no translation for"
-        elif _ignored_argument(node):
-            reasons[node.name] = f"the ONNX translation ignores `{_ignored_argument(node)}` of"
+        elif ignored := _ignored_argument(node):
+            reasons[node.name] = f"the ONNX translation ignores `{ignored}` of"
         elif any(dtype.is_complex for dtype in dtypes):
             reasons[node.name] = "ONNX Runtime has no complex tensors for"
         elif device.type == "cpu" and node.target not in _CASTS and torch.bfloat16 in dtypes:

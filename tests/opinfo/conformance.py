@@ -216,7 +216,6 @@ class _Result:
 
 def _run(module: nn.Module, originals: Sequence[torch.Tensor]) -> _Result:
     inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in originals]
-    leaves = list(inputs)
     # Mutating ops need leaves that are not views of graph inputs requiring grad: feed clones of the leaves.
     fed = [t.clone() if t.requires_grad else t for t in inputs]
     outputs = pytree.tree_leaves(module(*fed))
@@ -225,7 +224,7 @@ def _run(module: nn.Module, originals: Sequence[torch.Tensor]) -> _Result:
         generator = torch.Generator().manual_seed(1)
         weights = [torch.randn(_real_part(o).shape, generator=generator, dtype=_real(o.dtype)) for o in differentiable]
         total = sum((_real_part(o) * w).sum() for o, w in zip(differentiable, weights))
-        wants = [t for t in leaves if t.requires_grad]
+        wants = [t for t in inputs if t.requires_grad]
         grads = torch.autograd.grad(total, wants, allow_unused=True) if wants else ()
         gradients: list[torch.Tensor | None] = list(grads)
     else:
@@ -252,8 +251,9 @@ def _compare(eager: _Result, ort: _Result) -> str:
         if len(expected) != len(actual):
             return f"{what} count {len(actual)} != eager's {len(expected)}"
         for index, (e, a) in enumerate(zip(expected, actual)):
-            if not isinstance(e, torch.Tensor) or e is None:
-                if e != a and not (isinstance(a, torch.Tensor) and e is None):
+            if not isinstance(e, torch.Tensor):
+                unused_input_given_zeros = e is None and isinstance(a, torch.Tensor)
+                if e != a and not unused_input_given_zeros:
                     return f"{what} {index}: {a!r} != eager's {e!r}"
                 continue
             if not isinstance(a, torch.Tensor):

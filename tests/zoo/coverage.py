@@ -11,11 +11,10 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_ort import FallbackWarning, ORTModule
 from tests.helpers import (
-    FP64_MULTIPLE,
-    FP64_SLACK,
     GRAD_TOLERANCE,
     OUTPUT_TOLERANCE,
     clone_inputs,
+    float64_drift,
     leaf_tensors,
     weighted_loss,
 )
@@ -73,7 +72,12 @@ def run_case(case: Case) -> ZooResult:
     ort_grads = [t.grad for t in (*leaf_tensors(ort_inputs), *wrapped.parameters())]
     grads_correct, grad_error = _compare(ort_grads, eager_grads, GRAD_TOLERANCE)
     reference_grads = [p.grad for p in reference.parameters()]
-    drift = _float64_drift(list(wrapped.parameters()), list(eager.parameters()), reference_grads)
+    drift = float64_drift(
+        [name for name, _ in wrapped.named_parameters()],
+        [p.grad for p in wrapped.parameters()],
+        [p.grad for p in eager.parameters()],
+        reference_grads,
+    )
 
     stats = wrapped.statistics
     if stats.eager_signatures:
@@ -99,21 +103,6 @@ def run_case(case: Case) -> ZooResult:
 def _as_float64(tensor: torch.Tensor) -> torch.Tensor:
     value = tensor.detach().double() if tensor.is_floating_point() else tensor.detach()
     return value.requires_grad_(tensor.requires_grad)
-
-
-def _float64_drift(
-    ort: list[torch.nn.Parameter], eager: list[torch.nn.Parameter], reference: list[torch.Tensor | None]
-) -> str:
-    """Names the first parameter whose ORT gradient is further from float64's than 3x eager's (+ 1e-4), if any."""
-    for index, (mine, theirs, exact) in enumerate(zip(ort, eager, reference)):
-        if exact is None or mine.grad is None or theirs.grad is None:
-            continue
-        scale = float(exact.norm().clamp_min(1e-30))
-        allowed = FP64_MULTIPLE * float((theirs.grad.double() - exact).norm()) / scale + FP64_SLACK
-        error = float((mine.grad.double() - exact).norm()) / scale
-        if error > allowed:
-            return f"parameter {index}: distance to float64 {error:.1e} > {allowed:.1e} (3x eager's + 1e-4)"
-    return ""
 
 
 def _compare(
