@@ -55,6 +55,10 @@ class ORTCallback(Callback):
             loads them instead of exporting again (default: no on-disk cache).
         dynamic: symbolic input sizes: ``None`` (automatic: sizes that change between calls become symbolic),
             ``True`` (all from the start), ``False`` (one graph per shape).
+        blocks: block graphs: ``"auto"`` (default) exports each block class repeated within a wrapped network
+            (transformer layers in an ``nn.ModuleList``) once and runs every instance through it, so the first
+            step stops growing with depth; class names (``["GPT2Block"]``) choose them; ``None`` captures each
+            network as one graph. See :class:`~lightning_ort.ORTModule`.
         log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: also show those metrics in the progress bar.
 
@@ -79,6 +83,7 @@ class ORTCallback(Callback):
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
+        blocks: Sequence[str] | str | None = "auto",
         log_metrics: bool = True,
         prog_bar: bool = False,
     ) -> None:
@@ -97,6 +102,7 @@ class ORTCallback(Callback):
             fallback=fallback,
             cache_dir=cache_dir,
             dynamic=dynamic,
+            blocks=blocks,
         )
         self._log_metrics = log_metrics
         self._prog_bar = prog_bar

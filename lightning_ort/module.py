@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers
+from lightning_ort.engine.blocks import BlockSpec, mark_blocks, resolve_blocks
 from lightning_ort.engine.capture import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
@@ -25,7 +26,17 @@ log = logging.getLogger(__name__)
 
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 _OWN_STATE = frozenset(
-    {"_original_module", "_build_options", "_dynamic", "_calls", "_building_calls", "_backend", "_compiled", "forward"}
+    {
+        "_original_module",
+        "_build_options",
+        "_dynamic",
+        "_blocks",
+        "_calls",
+        "_building_calls",
+        "_backend",
+        "_compiled",
+        "forward",
+    }
 )
 """Attributes the wrapper keeps for itself; setting any other attribute sets it on the wrapped module."""
 
@@ -69,6 +80,12 @@ class ORTModule(nn.Module):
             graph, which then serves every size. ``True``: every dimension is symbolic from the first call.
             ``False``: one graph per input shape (ONNX Runtime optimizes for the exact sizes), up to TorchDynamo's
             recompile limit.
+        blocks: block graphs: each block class's forward and backward are exported and loaded into ONNX Runtime
+            once, and every instance of it runs those sessions on its own parameters, so the first step's cost
+            stops growing with depth. ``None`` (default): one graph for the whole model. ``"auto"``: the classes
+            of composite modules repeated within a container (``nn.ModuleList``, ``nn.Sequential``); a model
+            without any is captured as one graph, logged at INFO level. Or the block classes, or their names
+            (``["GPT2Block"]``). The rest of the model runs in ONNX Runtime around the blocks.
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -86,6 +103,7 @@ class ORTModule(nn.Module):
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
+        blocks: Sequence[BlockSpec] | str | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
@@ -99,6 +117,7 @@ class ORTModule(nn.Module):
         fallback = parse_fallback(fallback)
         if not isinstance(dynamic, (bool, type(None))):
             raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
+        block_classes = resolve_blocks(module, blocks)
         super().__init__()
         debug = debug_options if debug_options is not None else DebugOptions()
         object.__setattr__(self, "_original_module", module)
@@ -112,6 +131,8 @@ class ORTModule(nn.Module):
             DiskCache(cache_dir) if cache_dir is not None else None,
         )
         self._dynamic = dynamic
+        self._blocks = tuple(block_classes)
+        mark_blocks(module, block_classes)
         self._calls = 0
         self._building_calls = 0
         self._compile()
@@ -140,6 +161,11 @@ class ORTModule(nn.Module):
     def dynamic(self) -> bool | None:
         """Symbolic input sizes: ``None`` automatic, ``True`` all dimensions, ``False`` one graph per shape."""
         return self._dynamic
+
+    @property
+    def blocks(self) -> tuple[type[nn.Module], ...]:
+        """The block classes whose instances share block graphs (empty: one graph for the whole model)."""
+        return self._blocks
 
     @property
     def cache_dir(self) -> Path | None:

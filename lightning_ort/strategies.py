@@ -72,6 +72,10 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             loads them instead of exporting again (default: no on-disk cache).
         dynamic: symbolic input sizes: ``None`` (automatic: sizes that change between calls become symbolic),
             ``True`` (all from the start), ``False`` (one graph per shape).
+        blocks: block graphs: ``"auto"`` (default) exports each block class repeated within a wrapped network
+            (transformer layers in an ``nn.ModuleList``) once and runs every instance through it, so the first
+            step stops growing with depth; class names (``["GPT2Block"]``) choose them; ``None`` captures each
+            network as one graph. See :class:`~lightning_ort.ORTModule`.
         log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: show those metrics in the progress bar.
         start_method: process start method, as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
@@ -99,6 +103,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
+        blocks: Sequence[str] | str | None = "auto",
         log_metrics: bool = True,
         prog_bar: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -137,6 +142,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             fallback=fallback,
             cache_dir=cache_dir,
             dynamic=dynamic,
+            blocks=blocks,
             log_metrics=log_metrics,
             prog_bar=prog_bar,
         )
@@ -190,6 +196,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
+        blocks: Sequence[str] | str | None = "auto",
         log_metrics: bool = True,
         prog_bar: bool = False,
         device: str | torch.device | int | None = None,
@@ -220,6 +227,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
             fallback=fallback,
             cache_dir=cache_dir,
             dynamic=dynamic,
+            blocks=blocks,
             log_metrics=log_metrics,
             prog_bar=prog_bar,
         )

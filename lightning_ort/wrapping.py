@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.modules.loss import _Loss
 from torchmetrics import Metric
 
+from lightning_ort.engine.blocks import resolve_blocks
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, parse_fallback
 
@@ -32,6 +33,8 @@ class WrapConfig:
         fallback: passed to every ORTModule.
         cache_dir: passed to every ORTModule (one folder serves them all: keys differ by graph).
         dynamic: passed to every ORTModule.
+        blocks: block graphs (see :class:`~lightning_ort.ORTModule`): ``"auto"`` (default) finds the blocks
+            repeated within each wrapped submodule; class names apply to the submodules that hold them.
 
     Example:
         >>> config = WrapConfig.from_arguments(modules=["net"], log_level="INFO")
@@ -45,6 +48,7 @@ class WrapConfig:
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None
     dynamic: bool | None = None
+    blocks: tuple[str, ...] | str | None = "auto"
 
     @classmethod
     def from_arguments(
@@ -63,6 +67,7 @@ class WrapConfig:
         fallback: Fallback = "auto",
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
+        blocks: Sequence[str] | str | None = "auto",
     ) -> WrapConfig:
         """Validate the user-facing arguments (an unwritable ``save_path`` fails here, before training)."""
         if isinstance(modules, str):
@@ -88,6 +93,7 @@ class WrapConfig:
             parse_fallback(fallback),
             cache_dir,
             dynamic,
+            blocks if blocks is None or blocks == "auto" else _names(blocks),
         )
 
     def debug_options_for(self, path: str) -> DebugOptions:
@@ -127,7 +133,8 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
         if not isinstance(module, ORTModule):
             targets.append((parent, attribute, module))
             target_paths.append(path)
-    for (parent, attribute, module), path in zip(targets, target_paths):
+    blocks = _blocks_per_target([module for _, _, module in targets], config.blocks)
+    for (parent, attribute, module), path, block_classes in zip(targets, target_paths, blocks):
         wrapped = ORTModule(
             module,
             config.debug_options_for(path),
@@ -135,9 +142,32 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
             config.fallback,
             config.cache_dir,
             config.dynamic,
+            block_classes,
         )
         setattr(parent, attribute, wrapped)
     return wrapped_submodules(root)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _names(blocks: Sequence[str] | str) -> tuple[str, ...]:
+    return (blocks,) if isinstance(blocks, str) else tuple(blocks)
+
+
+def _blocks_per_target(
+    modules: Sequence[nn.Module], blocks: tuple[str, ...] | str | None
+) -> list[list[type[nn.Module]]]:
+    """The block classes of each module; a named class no module holds is an error listing the repeated ones."""
+    if blocks is None or blocks == "auto":
+        return [resolve_blocks(module, blocks) for module in modules]
+    found = [resolve_blocks(module, blocks, missing_ok=True) for module in modules]
+    held = {name for classes in found for cls in classes for name in (cls.__name__, _qualified(cls))}
+    for name in blocks:
+        if name not in held and modules:
+            resolve_blocks(modules[0], [name])
+    return found
 
 
 def wrapped_submodules(root: nn.Module) -> dict[str, ORTModule]:

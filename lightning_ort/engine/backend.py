@@ -23,6 +23,7 @@ from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
 from torch._dynamo.utils import counters, get_metrics_context
 from typing_extensions import override
 
+from lightning_ort.engine.blocks import BlockGraphs
 from lightning_ort.engine.capture import (
     PENDING_WARNINGS,
     BuildLog,
@@ -59,6 +60,9 @@ class CacheStatistics:
         fallback_ops: ops of the built graphs that run in PyTorch because ONNX cannot express them.
         eager_signatures: TorchDynamo graphs that run entirely in PyTorch (ONNX Runtime could not build them).
         graphs: TorchDynamo graphs built so far; more than one per call means graph breaks.
+        block_graphs: block graphs built: one per distinct repeated block (and input signature) and pass
+            (forward, backward, inference), each exported and loaded into ONNX Runtime once.
+        block_reuses: block instances served by a block graph built for another instance.
         graph_breaks: graph breaks TorchDynamo reported: Python it could not trace, run in PyTorch between graphs.
         recompile_limit_hits: code TorchDynamo stopped compiling after too many recompilations (it runs in
             PyTorch from then on).
@@ -80,6 +84,8 @@ class CacheStatistics:
     fallback_ops: int = 0
     eager_signatures: int = 0
     graphs: int = 0
+    block_graphs: int = 0
+    block_reuses: int = 0
     graph_breaks: int = 0
     recompile_limit_hits: int = 0
 
@@ -110,6 +116,7 @@ class ORTBackend:
         self._owner = owner
         self._log = BuildLog()
         self._graphs: list[CapturedGraph] = []
+        self._blocks = BlockGraphs()
         self._retired_runs = (0, 0)
 
     @property
@@ -131,7 +138,8 @@ class ORTBackend:
             sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")),
             f"; TorchDynamo recompiles because {reason}" if reason else "",
         )
-        graph = CapturedGraph(gm, example_inputs, self._owner, str(index) if index else "", self._options, self._log)
+        tag = str(index) if index else ""
+        graph = CapturedGraph(gm, example_inputs, self._owner, tag, self._options, self._log, self._blocks)
         compiled = graph.compile()
         self._graphs.append(graph)
         self._log.graphs += 1
@@ -141,11 +149,13 @@ class ORTBackend:
         """``(kind, runner)`` for every built graph; kind is ``"forward"``, ``"backward"`` or ``"inference"``."""
         for graph in self._graphs:
             yield from graph.runners
+        yield from self._blocks.runners()
 
     def clear(self) -> None:
         """Forget the graphs built so far (their run counts stay in the statistics)."""
         self._retired_runs = self._run_counts()
         self._graphs.clear()
+        self._blocks.clear()
 
     def statistics(self, cache_hits: int = 0, cache_misses: int = 0) -> CacheStatistics:
         """The statistics so far; the call counts come from the caller, which sees the calls."""
@@ -154,6 +164,8 @@ class ORTBackend:
             cache_hits=cache_hits,
             cache_misses=cache_misses,
             cached_graphs=len(self._graphs),
+            block_graphs=self._blocks.built,
+            block_reuses=self._blocks.reused,
             forward_runs=forward,
             backward_runs=backward,
             **dataclasses.asdict(self._log),

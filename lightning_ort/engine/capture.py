@@ -29,6 +29,7 @@ from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lightning_ort.engine.blocks import BlockCall, BlockGraphs, has_blocks, inline_blocks
 from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import is_symbolic
@@ -101,6 +102,7 @@ class CapturedGraph:
         tag: distinguishes this graph's saved files (``"forward"``, ``"forward_1"``...).
         options: how graphs become sessions.
         build_log: where build time and counts are added up.
+        blocks: the backend's block graphs, shared by its captured graphs; ``None`` builds them for this graph.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class CapturedGraph:
         tag: str,
         options: BuildOptions,
         build_log: BuildLog,
+        blocks: BlockGraphs | None = None,
     ) -> None:
         self._gm = gm
         self._example_inputs = list(example_inputs)
@@ -121,6 +124,7 @@ class CapturedGraph:
         self._log = build_log
         self._backward_failure: ExportError | SessionError | None = None
         self._symbolic = any(is_symbolic(value) for value in example_inputs)
+        self._blocks = blocks if blocks is not None else BlockGraphs()
         self.runners: list[tuple[str, GraphRunner]] = []
 
     def compile(self) -> Callable[..., Any]:
@@ -143,7 +147,7 @@ class CapturedGraph:
             # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
             # translation, and their auxiliary outputs do not survive the export.
             with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(_AOT_GRAPH_COMPILE_LOG):
-                compiled = backend(self._gm, self._example_inputs)
+                compiled = self._traced_by_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
                 # first backward; report it now, while the graph can still run in PyTorch instead.
@@ -174,10 +178,28 @@ class CapturedGraph:
             self._log.capture_seconds += time.perf_counter() - start - exported
         return compiled
 
+    def _traced_by_aot(self, backend: Callable[..., Any]) -> Callable[..., Any]:
+        """``backend`` applied to the graph; blocks AOTAutograd refuses to keep apart are inlined instead."""
+        try:
+            return backend(self._gm, self._example_inputs)
+        except (ExportError, SessionError):
+            raise
+        except RuntimeError as err:
+            if not has_blocks(self._gm):
+                raise
+            log.info(
+                "%s: block graphs are not possible for the %s graph (%s); capturing it with the blocks inlined",
+                self._owner,
+                self._tag or "first",
+                first_line(err),
+            )
+            inline_blocks(self._gm)
+            return backend(self._gm, self._example_inputs)
+
     def specialize(self, args: Sequence[Any], index: int) -> Callable[..., Any]:
         """This graph compiled for the static shapes of ``args`` (real call arguments); ``index`` names it."""
         tag = f"{self._tag}_static{index}" if self._tag else f"static{index}"
-        static = CapturedGraph(self._gm, list(args), self._owner, tag, self._options, self._log)
+        static = CapturedGraph(self._gm, list(args), self._owner, tag, self._options, self._log, self._blocks)
         static.runners = self.runners
         self._log.graphs += 1
         return static.compile()
@@ -188,7 +210,7 @@ class CapturedGraph:
             start = time.perf_counter()
             with torch.random.fork_rng(devices=_rng_devices(self._device)):
                 try:
-                    runner = self._build(gm, example_inputs, name)
+                    runner = self._build(gm, example_inputs, name, kind)
                 except (ExportError, SessionError) as err:
                     failure = type(err)(f"{self._owner}: {err}", err.nodes)
                     if kind == "backward":
@@ -208,29 +230,35 @@ class CapturedGraph:
 
         return compile_graph
 
-    def _build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> GraphRunner:
-        key, graph = self._cached(gm, example_inputs, name)
-        if graph is not None:
-            return self._open(graph)
+    def _build(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, kind: str = "forward"
+    ) -> GraphRunner:
+        """A runner for ``gm``: one session, or partitions around the ops and blocks that run apart from it."""
+        blocks = self._blocks.substitute(gm, kind, self._build, name)
+        key: str | None = None
+        if not blocks:
+            key, graph = self._cached(gm, example_inputs, name)
+            if graph is not None:
+                return self._open(graph)
         unsupported = unsupported_nodes(gm, self._device)
-        if not unsupported:
-            try:
-                return self._open(self._export(gm, example_inputs, name, key))
-            except (ExportError, SessionError) as err:
-                if self._options.fallback == "raise":
-                    raise self._traced(gm, err) from err
-                unsupported = self._failing_nodes(gm, {}, err)
-        elif self._options.fallback == "raise":
+        if unsupported and self._options.fallback == "raise":
             raise ExportError(
                 f"the {name} graph has ops ONNX Runtime cannot run: {describe_ops(gm, unsupported)}.\n"
                 "Rewrite that part of the model with supported ops or dtypes, keep that submodule outside "
                 "ORTModule, or pass fallback='auto' to run just those ops in PyTorch.",
                 list(unsupported),
             )
+        if not unsupported and not blocks:
+            try:
+                return self._open(self._export(gm, example_inputs, name, key))
+            except (ExportError, SessionError) as err:
+                if self._options.fallback == "raise":
+                    raise self._traced(gm, err) from err
+                unsupported = self._failing_nodes(gm, {}, err)
         return self._split(gm, unsupported, name)
 
     def _split(self, gm: torch.fx.GraphModule, unsupported: dict[str, str], name: str) -> PartitionedGraph:
-        """Run ``unsupported`` nodes in PyTorch and the rest in ONNX Runtime partitions.
+        """Run ``unsupported`` nodes in PyTorch, block calls in their own graphs, the rest in ONNX Runtime partitions.
 
         A partition whose export (or session creation) fails at another op gets that op moved to PyTorch as
         well, and the graph is split again.
@@ -247,12 +275,13 @@ class CapturedGraph:
             except (ExportError, SessionError) as err:
                 unsupported = {**unsupported, **self._failing_nodes(gm, unsupported, err)}
                 continue
-            self._log.fallback_ops += len(unsupported)
-            warn_fallback(
-                f"lightning_ort: {self._owner}'s {name} graph runs {len(unsupported)} op(s) in "
-                f"PyTorch: {describe_ops(gm, unsupported)}. The rest runs in ONNX Runtime ({len(sessions)} "
-                "partition(s)). Pass fallback='raise' to make this an error."
-            )
+            if unsupported:
+                self._log.fallback_ops += len(unsupported)
+                warn_fallback(
+                    f"lightning_ort: {self._owner}'s {name} graph runs {len(unsupported)} op(s) in "
+                    f"PyTorch: {describe_ops(gm, unsupported)}. The rest runs in ONNX Runtime ({len(sessions)} "
+                    "partition(s)). Pass fallback='raise' to make this an error."
+                )
             return PartitionedGraph(split, name, sessions, len(unsupported))
 
     def _failing_nodes(
@@ -304,7 +333,10 @@ class CapturedGraph:
         runnable = [
             node.name
             for node in gm.graph.nodes
-            if node.op == "call_function" and node.target is not operator.getitem and node.name not in unsupported
+            if node.op == "call_function"
+            and node.target is not operator.getitem
+            and not isinstance(node.target, BlockCall)
+            and node.name not in unsupported
         ]
 
         def builds(kept: Sequence[str]) -> bool:

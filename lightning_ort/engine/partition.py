@@ -21,6 +21,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from lightning_ort.engine.blocks import BlockCall
 from lightning_ort.engine.decompositions import DROPOUT_KEEP
 from lightning_ort.engine.export import copy_graph_module, node_origin, quiet_exporter
 from lightning_ort.engine.session import GraphSession
@@ -185,7 +186,7 @@ class _NodeSupport(OperatorSupportBase):
         self._unsupported = unsupported
 
     def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
-        if node.op != "call_function" or node.name in self._unsupported:
+        if node.op != "call_function" or node.name in self._unsupported or isinstance(node.target, BlockCall):
             return False
         if node.target is operator.getitem:
             source = node.args[0]

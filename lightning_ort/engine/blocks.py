@@ -1,0 +1,300 @@
+"""Block graphs: a block repeated through a model is exported to ONNX and loaded into ONNX Runtime once.
+
+A transformer's layers (``nn.ModuleList`` items, Hugging Face ``model.layers``) are instances of one class
+computing the same graph on their own parameters. :func:`mark_blocks` makes each instance's ``forward`` a
+TorchDynamo nested compile region (``torch.compiler.nested_compile_region``): TorchDynamo traces the block once
+and calls it as a ``higher_order.invoke_subgraph`` per instance, with the parameters as inputs, and AOTAutograd
+keeps the forward and backward subgraphs shared. :class:`BlockGraphs` then builds one ONNX Runtime session per
+distinct subgraph and :class:`BlockCall` runs it in place of each ``invoke_subgraph``; the rest of the model
+(embeddings, head, loss) runs in ONNX Runtime partitions around the calls. Export and session creation cost
+no longer grow with depth.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BlockSpec = str | type[nn.Module]
+"""A block class, or its name (``"GPT2Block"``)."""
+
+_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+_MARK = "_lightning_ort_block_forward"
+"""Instance attribute set on every marked block: its wrapped ``forward``, to recognize and remove it."""
+
+
+class BlockError(ValueError):
+    """``blocks=`` names a class the model does not hold, or a block cannot be marked."""
+
+
+def repeated_classes(model: nn.Module) -> dict[type[nn.Module], int]:
+    """Classes of composite modules held at least twice by one container of ``model``, with their counts.
+
+    A container is an ``nn.ModuleList``, an ``nn.Sequential`` or an ``nn.ModuleDict``. Only composite modules
+    count (a class with submodules of its own): a block is worth a graph of its own, a repeated ``nn.Linear``
+    or activation is not. Classes inside another repeated class are left out (the outer block holds them).
+
+    Example:
+        >>> layers = nn.ModuleList(nn.TransformerEncoderLayer(8, 2) for _ in range(3))
+        >>> {cls.__name__: n for cls, n in repeated_classes(nn.ModuleDict({"layers": layers})).items()}
+        {'TransformerEncoderLayer': 3}
+    """
+    found: dict[type[nn.Module], int] = {}
+    _collect(model, found)
+    return found
+
+
+def _collect(module: nn.Module, found: dict[type[nn.Module], int]) -> None:
+    if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        counts: dict[type[nn.Module], int] = {}
+        for child in module.children():
+            if next(child.children(), None) is not None and not isinstance(child, _CONTAINERS):
+                counts[type(child)] = counts.get(type(child), 0) + 1
+        repeated = {cls: n for cls, n in counts.items() if n >= 2}
+        for cls, n in repeated.items():
+            found[cls] = found.get(cls, 0) + n
+        for child in module.children():
+            if type(child) not in repeated:
+                _collect(child, found)
+        return
+    for child in module.children():
+        _collect(child, found)
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def resolve_blocks(
+    model: nn.Module, blocks: Sequence[BlockSpec] | str | None, missing_ok: bool = False
+) -> list[type[nn.Module]]:
+    """The block classes ``blocks`` asks for in ``model``.
+
+    Args:
+        model: the model.
+        blocks: ``None`` (no block graphs), ``"auto"`` (the classes :func:`repeated_classes` finds), or block
+            classes or class names.
+        missing_ok: leave out named classes ``model`` does not hold instead of failing.
+
+    Raises:
+        BlockError: a named class is not in ``model``; the message lists the repeated classes found.
+
+    Example:
+        >>> model = nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2)))
+        >>> [cls.__name__ for cls in resolve_blocks(model, "auto")]
+        ['TransformerEncoderLayer']
+    """
+    if blocks is None:
+        return []
+    if blocks == "auto":
+        found = list(repeated_classes(model))
+        if not found:
+            log.info(
+                "%s has no block repeated within a container (nn.ModuleList, nn.Sequential, nn.ModuleDict): it "
+                "is captured as one graph",
+                type(model).__name__,
+            )
+        return found
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    present = {type(module) for module in model.modules()}
+    by_name = {cls.__name__: cls for cls in present}
+    by_name.update({f"{cls.__module__}.{cls.__qualname__}": cls for cls in present})
+    classes: list[type[nn.Module]] = []
+    for spec in blocks:
+        cls = by_name.get(spec) if isinstance(spec, str) else spec if spec in present else None
+        if cls is None and missing_ok:
+            continue
+        if cls is None:
+            repeated = sorted(c.__name__ for c in repeated_classes(model)) or ["none"]
+            raise BlockError(
+                f"blocks={list(blocks)!r}: {type(model).__name__} holds no module of class "
+                f"{spec if isinstance(spec, str) else spec.__name__!r}. Classes repeated within its containers: "
+                f"{', '.join(repeated)}. Name one of them, pass blocks='auto', or blocks=None for one graph."
+            )
+        if cls not in classes:
+            classes.append(cls)
+    return classes
+
+
+def mark_blocks(model: nn.Module, classes: Iterable[type[nn.Module]]) -> list[nn.Module]:
+    """Make every instance of ``classes`` in ``model`` a nested compile region; returns the marked instances.
+
+    Each instance gets a ``forward`` attribute calling its class's ``forward`` through one
+    ``torch.compiler.nested_compile_region`` per class (the block instance is an argument, so that its
+    parameters become the subgraph's inputs). Outside ``torch.compile`` the region is a plain call. Instances
+    inside another marked block are left alone, and :func:`unmark_blocks` undoes the marking.
+
+    Example:
+        >>> model = nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2)))
+        >>> len(mark_blocks(model, [nn.TransformerEncoderLayer]))
+        2
+        >>> unmark_blocks(model)
+    """
+    wanted = tuple(classes)
+    if not wanted:
+        return []
+    marked: list[nn.Module] = []
+    for module in _outermost(model, wanted):
+        region = _region(type(module))
+        forward = functools.partial(region, module)
+        functools.update_wrapper(forward, type(module).forward)
+        module.__dict__["forward"] = forward
+        module.__dict__[_MARK] = forward
+        marked.append(module)
+    return marked
+
+
+def unmark_blocks(model: nn.Module) -> None:
+    """Give every block :func:`mark_blocks` marked in ``model`` its class's ``forward`` back."""
+    for module in model.modules():
+        mark = module.__dict__.pop(_MARK, None)
+        if mark is not None and module.__dict__.get("forward") is mark:
+            del module.__dict__["forward"]
+
+
+def marked_blocks(model: nn.Module) -> list[nn.Module]:
+    """The instances of ``model`` that :func:`mark_blocks` marked."""
+    return [module for module in model.modules() if _MARK in module.__dict__]
+
+
+def _outermost(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> Iterator[nn.Module]:
+    for child in module.children():
+        if isinstance(child, classes):
+            yield child
+        else:
+            yield from _outermost(child, classes)
+
+
+def _region(cls: type[nn.Module]) -> Callable[..., Any]:
+    """One nested compile region per block class, so that every instance reuses the same traced subgraph.
+
+    NB: the region must take the instance as an argument; a region bound as a method (``region.__get__(block)``)
+    is reused by TorchDynamo with the first instance's parameters.
+    """
+    region = _REGIONS.get(cls)
+    if region is None:
+        region = _REGIONS[cls] = torch.compiler.nested_compile_region(cls.forward, max_reuse_entries=_MAX_REUSE_ENTRIES)
+    return region
+
+
+_REGIONS: dict[type[nn.Module], Callable[..., Any]] = {}
+
+
+_MAX_REUSE_ENTRIES = 64
+"""Distinct input signatures one block class may be traced with (TorchDynamo raises beyond it)."""
+
+
+def has_blocks(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` calls block subgraphs (``invoke_subgraph``)."""
+    return any(node.op == "call_function" and node.target is _INVOKE_SUBGRAPH for node in gm.graph.nodes)
+
+
+def inline_blocks(gm: torch.fx.GraphModule) -> None:
+    """Make ``gm``'s block calls plain calls of their subgraphs, which AOTAutograd traces into one graph.
+
+    For blocks AOTAutograd cannot keep apart (``invoke_subgraph`` refuses a block that updates a buffer in
+    training, as ``BatchNorm`` does).
+    """
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _INVOKE_SUBGRAPH:
+            holder, _, *operands = node.args
+            node.target = _call_subgraph
+            node.args = (holder, *operands)
+    gm.recompile()
+
+
+def _call_subgraph(subgraph: torch.fx.GraphModule, *args: Any) -> Any:
+    return subgraph(*args)
+
+
+class BlockCall:
+    """Runs a block's ONNX Runtime graph in place of an ``invoke_subgraph`` node; returns a tuple like it.
+
+    Args:
+        runner: the block graph's session (AOTAutograd's boxed convention), shared by every instance.
+    """
+
+    def __init__(self, runner: Callable[[list[Any]], list[Any]]) -> None:
+        self.runner = runner
+        self.__name__ = "block_call"
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return tuple(self.runner(list(args)))
+
+
+class BlockGraphs:
+    """The block graphs of one backend: one runner per distinct subgraph and input signature.
+
+    Example:
+        >>> BlockGraphs().built, BlockGraphs().reused
+        (0, 0)
+    """
+
+    def __init__(self) -> None:
+        self._runners: dict[tuple[str, tuple[str, ...]], tuple[str, Any]] = {}
+        self.built = 0
+        """Block graphs built (each exported and loaded once, or read from the disk cache)."""
+        self.reused = 0
+        """Block calls served by a graph built for an earlier call."""
+
+    def runners(self) -> list[tuple[str, Any]]:
+        """``(kind, runner)`` of every block graph built so far."""
+        return list(self._runners.values())
+
+    def clear(self) -> None:
+        """Forget the runners (the counts stay)."""
+        self._runners.clear()
+
+    def substitute(
+        self,
+        gm: torch.fx.GraphModule,
+        kind: str,
+        build: Callable[[torch.fx.GraphModule, Sequence[Any], str], Any],
+        name: str,
+    ) -> set[str]:
+        """Replace ``gm``'s ``invoke_subgraph`` nodes by :class:`BlockCall` nodes; returns their names.
+
+        Args:
+            gm: a forward, backward or inference graph from AOTAutograd (changed in place).
+            kind: ``"forward"``, ``"backward"`` or ``"inference"``, for the statistics.
+            build: builds a runner from a subgraph, its example inputs and a name.
+            name: the graph's name; block graphs are named ``f"{name}_block{i}"``.
+        """
+        calls: set[str] = set()
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not _INVOKE_SUBGRAPH:
+                continue
+            holder, _, *operands = node.args
+            subgraph = getattr(gm, holder.target)
+            examples = [arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in operands]
+            key = (subgraph.code, tuple(_signature(value) for value in examples))
+            entry = self._runners.get(key)
+            if entry is None:
+                block_name = f"{name}_block{sum(1 for built, _ in self._runners.values() if built == kind)}"
+                entry = self._runners[key] = (kind, build(subgraph, examples, block_name))
+                self.built += 1
+            else:
+                self.reused += 1
+            node.target = BlockCall(entry[1])
+            node.args = tuple(operands)
+            calls.add(node.name)
+            if not holder.users:
+                gm.graph.erase_node(holder)
+        if calls:
+            gm.delete_all_unused_submodules()
+            gm.recompile()
+        return calls
+
+
+def _signature(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{tuple(value.shape)}{value.stride()}{value.device}"
+    return repr(value)
