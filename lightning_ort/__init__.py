@@ -15,7 +15,7 @@ from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
 from lightning_ort.engine.session import SessionError
 from lightning_ort.module import ORTModule, ORTModuleError
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
-from lightning_ort.strategies import ORTDDPStrategy, ORTSingleDeviceStrategy, register_strategies
+from lightning_ort.strategies import ORTDDPStrategy, ORTFSDPStrategy, ORTSingleDeviceStrategy, register_strategies
 
 register_strategies()
 
@@ -30,6 +30,7 @@ __all__ = [
     "LogLevel",
     "ORTCallback",
     "ORTDDPStrategy",
+    "ORTFSDPStrategy",
     "ORTModule",
     "ORTModuleError",
     "ORTSingleDeviceStrategy",

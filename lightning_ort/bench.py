@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_ort.bench_depth import DepthResult, format_depth_report, probe, run_depth_study
 from lightning_ort.engine.profiling import KernelProfile
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions
@@ -230,6 +231,8 @@ class BenchReport:
     lightning: LightningResult | None
     inductor_cache: str = "cold"
     profiles: list[ProfileResult] = field(default_factory=list)
+    depth: list[DepthResult] = field(default_factory=list)
+    depth_width: int = 0
 
 
 def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.device) -> dict[str, float]:
@@ -475,6 +478,8 @@ def format_report(report: BenchReport) -> str:
         f"median of {report.steps} steps; inductor's first step with a {report.inductor_cache} cache",
         "",
     ]
+    if report.depth:
+        return "\n".join([*lines, format_depth_report(report.depth, report.depth_width)])
     width = max([12, *(len(result.workload) + 2 for result in report.workloads)])
     lines.append(
         f"{'workload':<{width}}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
@@ -555,8 +560,6 @@ def _sync(device: torch.device) -> None:
 
 def main(argv: Sequence[str] | None = None) -> BenchReport:
     """Command-line entry point; returns the report it printed."""
-    import onnxruntime
-
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="repeatable; default: all")
     parser.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
@@ -577,11 +580,32 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         help="also profile ORTModule's steps with ONNX Runtime's profiler: keep the profiles in DIR and print the "
         "kernel time per op type",
     )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        nargs="+",
+        metavar="LAYERS",
+        help="instead of the workloads, time the first step of a GPT-2 style model (Hugging Face transformers) at "
+        "these layer counts: ORTModule with block graphs, with one graph, and inductor, each in a fresh process",
+    )
+    parser.add_argument("--depth-width", type=int, default=768, help="the --depth model's width (default 768)")
     parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
+    parser.add_argument("--depth-probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
+    if args.depth_probe:
+        print(json.dumps(probe(args.depth_probe, args.depth[0], args.depth_width, args.steps, device)))
+        sys.exit(0)
+    if args.depth:
+        return _report(
+            args,
+            device,
+            matmul_gflops(device),
+            depth=run_depth_study(args.depth, args.depth_width, args.steps, device),
+            depth_width=args.depth_width,
+        )
     factories = [WORKLOADS[name] for name in args.workload or ([] if args.module else list(WORKLOADS))]
     factories += [load_factory(spec) for spec in args.module]
     workloads = [factory(device) for factory in factories]
@@ -597,6 +621,13 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     profiles = []
     if args.profile is not None:
         profiles = [profile_workload(w, device, args.steps, args.warmup, args.profile) for w in workloads]
+    return _report(args, device, gflops, workloads=results, lightning=lightning, profiles=profiles)
+
+
+def _report(args: argparse.Namespace, device: torch.device, gflops: float, **results: Any) -> BenchReport:
+    """Print the report (and write its JSON with ``--json``); returns it."""
+    import onnxruntime
+
     report = BenchReport(
         device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         torch_version=torch.__version__,
@@ -604,10 +635,10 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         threads=torch.get_num_threads(),
         matmul_gflops=gflops,
         steps=args.steps,
-        workloads=results,
-        lightning=lightning,
+        workloads=results.pop("workloads", []),
+        lightning=results.pop("lightning", None),
         inductor_cache="warm" if args.warm_inductor_cache else "cold",
-        profiles=profiles,
+        **results,
     )
     print(format_report(report))
     if args.json:

@@ -85,7 +85,8 @@ class ORTModule(nn.Module):
             stops growing with depth. ``None`` (default): one graph for the whole model. ``"auto"``: the classes
             of composite modules repeated within a container (``nn.ModuleList``, ``nn.Sequential``); a model
             without any is captured as one graph, logged at INFO level. Or the block classes, or their names
-            (``["GPT2Block"]``). The rest of the model runs in ONNX Runtime around the blocks.
+            (``["GPT2Block"]``). The rest of the model runs in ONNX Runtime around the blocks. Not with
+            ``dynamic=True`` (logged at INFO level); automatic dynamic shapes keep them.
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -118,6 +119,11 @@ class ORTModule(nn.Module):
         if not isinstance(dynamic, (bool, type(None))):
             raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
         block_classes = resolve_blocks(module, blocks)
+        if dynamic is True and block_classes:
+            # Every dimension and float symbolic from the start: TorchDynamo passes float attributes (a
+            # LayerNorm's eps) into block regions in a form their subgraphs cannot read.
+            log.info("%s: dynamic=True captures without block graphs", type(module).__name__)
+            block_classes = []
         super().__init__()
         debug = debug_options if debug_options is not None else DebugOptions()
         object.__setattr__(self, "_original_module", module)

@@ -3,6 +3,7 @@
 * ``"ort_ddp"`` / ``"ort_ddp_spawn"``: :class:`ORTDDPStrategy`, Lightning's DDP with every configured submodule
   wrapped in :class:`~lightning_ort.ORTModule` before DDP wraps the LightningModule.
 * ``"ort"``: :class:`ORTSingleDeviceStrategy`, the same on one device, so one config runs on a laptop.
+* ``"ort_fsdp"``: :class:`ORTFSDPStrategy`, PyTorch FSDP2 sharding each block, the blocks in ONNX Runtime.
 
 The names are registered when ``lightning_ort`` is imported.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -20,12 +22,19 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from typing_extensions import override
 
 from lightning_ort.callback import OptimizationLevel, ORTCallback
+from lightning_ort.engine.blocks import mark_blocks
+from lightning_ort.engine.capture import FallbackWarning
 from lightning_ort.options import Fallback, LogLevel
+from lightning_ort.wrapping import wrapped_submodules
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +271,169 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
             )
 
 
+class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
+    """Fully sharded data parallel (PyTorch FSDP2) with every block's forward and backward in ONNX Runtime.
+
+    ``Trainer(strategy="ort_fsdp")``: each rank holds 1/N of the parameters, gradients and optimizer state. The
+    configured networks are wrapped in :class:`~lightning_ort.ORTModule` with block graphs; each block (a
+    transformer layer, found as for ``blocks="auto"`` or named by ``blocks``) is sharded with ``fully_shard``,
+    then each network with its remaining parameters. Before a block runs, FSDP all-gathers its parameters; the
+    block's forward runs in ONNX Runtime through the graph shared by every block of its class, and so does its
+    backward, after which FSDP reduce-scatters the gradients. The code between the blocks (embeddings, head, the
+    loss) runs in PyTorch: TorchDynamo does not trace FSDP's hooks, so it cannot capture the network around
+    them. Checkpoints are sharded folders by default (``save_distributed_checkpoint=False`` gathers one full
+    file on rank 0); both hold the plain model's keys.
+
+    Takes the ORT arguments of :class:`ORTDDPStrategy`, and:
+
+    Args:
+        activation_checkpointing: recompute each block's forward during the backward (in ONNX Runtime, inside
+            the block's backward graph) instead of keeping its activations.
+        reshard_after_forward: free the gathered parameters after each block's forward and gather them again
+            for its backward (FSDP's default); ``False`` keeps them until the backward, trading memory for
+            communication.
+        save_distributed_checkpoint: save a folder of per-rank shards (default) or one full checkpoint file.
+        process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA by default.
+        timeout: the process group's timeout.
+
+    Raises:
+        ValueError: in ``setup``, before training: a trainable parameter lies outside the wrapped networks
+            (FSDP would not synchronize it), or ``blocks`` names classes no network holds.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(strategy="ort_fsdp", accelerator="cpu", devices=1, logger=False)
+        >>> type(trainer.strategy).__name__
+        'ORTFSDPStrategy'
+    """
+
+    strategy_name = "ort_fsdp"
+
+    def __init__(
+        self,
+        modules: Sequence[str] | None = None,
+        save_onnx: bool = False,
+        log_level: LogLevel = LogLevel.WARNING,
+        onnx_prefix: str = "",
+        save_path: str | os.PathLike[str] | None = None,
+        profile: bool = False,
+        providers: Sequence[str] | None = None,
+        optimization_level: OptimizationLevel = "all",
+        intra_op_num_threads: int = 0,
+        allow_spinning: bool = True,
+        release_torch_threads: bool = True,
+        fallback: Fallback = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
+        blocks: Sequence[str] | str | None = "auto",
+        log_metrics: bool = True,
+        prog_bar: bool = False,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._activation_checkpointing = activation_checkpointing
+        self._reshard_after_forward = reshard_after_forward
+        self._ort = ORTCallback(
+            modules=modules,
+            save_onnx=save_onnx,
+            log_level=log_level,
+            onnx_prefix=onnx_prefix,
+            save_path=save_path,
+            profile=profile,
+            providers=providers,
+            optimization_level=optimization_level,
+            intra_op_num_threads=intra_op_num_threads,
+            allow_spinning=allow_spinning,
+            release_torch_threads=release_torch_threads,
+            fallback=fallback,
+            cache_dir=cache_dir,
+            dynamic=dynamic,
+            blocks=blocks,
+            log_metrics=log_metrics,
+            prog_bar=prog_bar,
+        )
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self._activation_checkpointing
+
+    @override
+    def setup_environment(self) -> None:
+        # Every process is one data-parallel shard: no tensor parallelism.
+        if self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._wrap_before_setup(trainer)
+        self._shard(trainer.lightning_module)
+        # FSDP's hooks around each block are a graph break TorchDynamo cannot resume from inside the loop over
+        # the blocks; that the code around the blocks runs in PyTorch is this strategy's design, not a fallback.
+        warnings.filterwarnings("ignore", _SKIPPED_HOOKS, FallbackWarning)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, root: pl.LightningModule) -> None:
+        """``fully_shard`` every block of every wrapped network, then each network (once: ``setup`` repeats)."""
+        networks = wrapped_submodules(root)
+        outside = [
+            name
+            for name, parameter in root.named_parameters()
+            if parameter.requires_grad and not any(name.startswith(f"{path}.") for path in networks)
+        ]
+        if outside:
+            raise ValueError(
+                f"strategy='ort_fsdp' shards the networks it wraps ({', '.join(networks) or 'none'}), but these "
+                f"trainable parameters lie outside them: {', '.join(outside[:5])}"
+                f"{' and more' if len(outside) > 5 else ''}. Name their modules in modules=[...] as well."
+            )
+        mesh = self.device_mesh["data_parallel"]
+        for path, network in networks.items():
+            if isinstance(network, FSDPModule):
+                continue
+            blocks = mark_blocks(network.module, network.blocks, checkpoint=self._activation_checkpointing)
+            for block in blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+            fully_shard(network, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+            rank_zero_info(
+                f"ort_fsdp: `{path}` sharded over {mesh.size()} ranks as {len(blocks)} block(s) of "
+                f"{', '.join(cls.__name__ for cls in network.blocks) or 'no repeated class'} and the rest"
+            )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="FSDP2 with blocks in ONNX Runtime (lightning_ort)"
+            )
+
+
+_SKIPPED_HOOKS = r"lightning_ort: TorchDynamo split the forward of .* at a graph break: Attempted to call function"
+
+
 def register_strategies() -> None:
-    """Register ``"ort"``, ``"ort_ddp"`` and ``"ort_ddp_spawn"`` with Lightning (safe to call repeatedly)."""
+    """Register ``"ort"``, ``"ort_ddp"``, ``"ort_ddp_spawn"`` and ``"ort_fsdp"`` with Lightning (safe to repeat)."""
     ORTDDPStrategy.register_strategies(StrategyRegistry)
     ORTSingleDeviceStrategy.register_strategies(StrategyRegistry)
+    ORTFSDPStrategy.register_strategies(StrategyRegistry)

@@ -138,3 +138,21 @@ def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
     saved = json.loads(out.read_text())["profiles"][0]
     assert saved["profile"]["runs"] == 6
     assert {Path(f) for f in saved["profile"]["files"]} == set(profile.files)
+
+
+@pytest.mark.slow
+def test_depth_study_times_first_steps_in_fresh_processes(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "depth.json"
+    args = ["--depth", "2", "--depth-width", "32", "--steps", "1", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    (depth,) = json.loads(out.read_text())["depth"]
+    assert depth["layers"] == 2
+    assert set(depth["first_step_s"]) == {"ort_blocks", "ort", "inductor"}
+    assert all(seconds > 0 for seconds in depth["first_step_s"].values())
+    assert set(depth["step_ms"]) == {"eager", "ort_blocks", "ort"}
+    assert depth["onnx_exports"]["ort_blocks"] > depth["onnx_exports"]["ort"] > 0, "partitions and block graphs"
+    assert "blocks/whole" in result.stdout

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils.checkpoint
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -124,13 +125,21 @@ def resolve_blocks(
     return classes
 
 
-def mark_blocks(model: nn.Module, classes: Iterable[type[nn.Module]]) -> list[nn.Module]:
+def mark_blocks(model: nn.Module, classes: Iterable[type[nn.Module]], checkpoint: bool = False) -> list[nn.Module]:
     """Make every instance of ``classes`` in ``model`` a nested compile region; returns the marked instances.
 
     Each instance gets a ``forward`` attribute calling its class's ``forward`` through one
     ``torch.compiler.nested_compile_region`` per class (the block instance is an argument, so that its
     parameters become the subgraph's inputs). Outside ``torch.compile`` the region is a plain call. Instances
     inside another marked block are left alone, and :func:`unmark_blocks` undoes the marking.
+
+    Args:
+        model: the model.
+        classes: the block classes.
+        checkpoint: recompute each block's forward during the backward (activation checkpointing,
+            ``torch.utils.checkpoint`` without reentrancy) instead of keeping its activations. A checkpointed
+            block is not a nested compile region (AOTAutograd partitions a region on its own and keeps its
+            activations); it is shared when TorchDynamo compiles it as a frame of its own, as under FSDP.
 
     Example:
         >>> model = nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2)))
@@ -143,13 +152,24 @@ def mark_blocks(model: nn.Module, classes: Iterable[type[nn.Module]]) -> list[nn
         return []
     marked: list[nn.Module] = []
     for module in _outermost(model, wanted):
-        region = _region(type(module))
-        forward = functools.partial(region, module)
+        if checkpoint:
+            forward = functools.partial(_checkpointed_block_forward, type(module).forward, module)
+        else:
+            forward = functools.partial(_block_forward, _region(type(module)), module)
         functools.update_wrapper(forward, type(module).forward)
         module.__dict__["forward"] = forward
         module.__dict__[_MARK] = forward
         marked.append(module)
     return marked
+
+
+def _block_forward(region: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's forward. TorchDynamo compiles it as a frame of its own when it cannot trace the caller."""
+    return region(module, *args, **kwargs)
+
+
+def _checkpointed_block_forward(forward: Callable[..., Any], module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
 
 
 def unmark_blocks(model: nn.Module) -> None:
@@ -253,6 +273,16 @@ class BlockGraphs:
         """Forget the runners (the counts stay)."""
         self._runners.clear()
 
+    def snapshot(self) -> tuple[int, int, int]:
+        """What :meth:`restore` returns to: the runners and counts so far."""
+        return len(self._runners), self.built, self.reused
+
+    def restore(self, snapshot: tuple[int, int, int]) -> None:
+        """Forget the runners built since ``snapshot`` (a build that did not finish) and their counts."""
+        kept, self.built, self.reused = snapshot
+        for key in list(self._runners)[kept:]:
+            del self._runners[key]
+
     def substitute(
         self,
         gm: torch.fx.GraphModule,
@@ -278,7 +308,8 @@ class BlockGraphs:
             key = (subgraph.code, tuple(_signature(value) for value in examples))
             entry = self._runners.get(key)
             if entry is None:
-                block_name = f"{name}_block{sum(1 for built, _ in self._runners.values() if built == kind)}"
+                index = sum(1 for _, runner in self._runners.values() if runner.name.startswith(f"{name}_block"))
+                block_name = f"{name}_block{index}"
                 entry = self._runners[key] = (kind, build(subgraph, examples, block_name))
                 self.built += 1
             else:

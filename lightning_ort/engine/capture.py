@@ -180,6 +180,7 @@ class CapturedGraph:
 
     def _traced_by_aot(self, backend: Callable[..., Any]) -> Callable[..., Any]:
         """``backend`` applied to the graph; blocks AOTAutograd refuses to keep apart are inlined instead."""
+        blocks = self._blocks.snapshot()
         try:
             return backend(self._gm, self._example_inputs)
         except (ExportError, SessionError):
@@ -187,6 +188,7 @@ class CapturedGraph:
         except RuntimeError as err:
             if not has_blocks(self._gm):
                 raise
+            self._blocks.restore(blocks)
             log.info(
                 "%s: block graphs are not possible for the %s graph (%s); capturing it with the blocks inlined",
                 self._owner,

@@ -314,8 +314,16 @@ def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
     """
     graph = gm.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    if not placeholders:
+        return ()
     sources = {symbol: (placeholders[index], dim) for symbol, (index, dim) in _size_symbols(example_inputs).items()}
+    # A split graph's partitions interleave placeholders with ops: gather them first (their order is kept).
     first_op = next(node for node in graph.nodes if node.op != "placeholder")
+    ops_seen = False
+    for node in list(graph.nodes):
+        ops_seen = ops_seen or node is first_op
+        if ops_seen and node.op == "placeholder":
+            first_op.prepend(node)
     built: dict[sympy.Expr, torch.fx.Node | int] = {}
     dropped = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):

@@ -123,9 +123,23 @@ def test_inference_and_new_lengths_reuse_the_blocks() -> None:
     for length in (9, 11):
         torch.testing.assert_close(blocked(*_batch(length)), eager(*_batch(length)), rtol=1e-4, atol=1e-5)
     stats = blocked.statistics
-    # A static graph for the first length, then a dynamic one for every other: one block graph each, reused by
-    # the other two blocks.
-    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (2, 2, 4, 0)
+    # An inference graph for the first length (no_grad), then a training graph with a symbolic length for the
+    # others: one inference and two training block graphs (forward, backward), each reused by the other blocks.
+    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (2, 3, 6, 0)
+
+
+def test_dynamic_shapes_with_blocks_match_eager() -> None:
+    torch.manual_seed(0)
+    eager = Deep(depth=3)
+    blocked = ORTModule(copy.deepcopy(eager), blocks="auto")
+    for length in (7, 10, 12):
+        for model in (eager, blocked):
+            model.zero_grad()
+            weighted_loss(model(*_batch(length))).backward()
+        assert_grads_close(blocked, eager)
+    stats = blocked.statistics
+    # A static graph for the first length, a dynamic one (symbolic length) for the others.
+    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (2, 4, 8, 0)
 
 
 def test_the_disk_cache_serves_block_graphs(tmp_path: Path) -> None:

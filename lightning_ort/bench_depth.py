@@ -1,0 +1,175 @@
+"""First-step cost against depth: ``python -m lightning_ort.bench --depth 2 12``.
+
+A GPT-2 style model (Hugging Face ``GPT2LMHeadModel``, dropout off, a batch of 4 x 128 tokens) at each layer
+count. Each runtime's first training step (forward, backward, AdamW) is timed in a fresh process: ORTModule
+with block graphs (``blocks="auto"``: the layers share one exported graph), ORTModule with one graph for the
+whole model, and ``torch.compile`` (inductor) with an empty cache. A further process per depth alternates
+steady steps of eager PyTorch and both ORTModules, so their step-time ratios come from one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ort.module import ORTModule
+
+FIRST_STEP_RUNTIMES = ("ort_blocks", "ort", "inductor")
+"""Runtimes whose first step is timed, each in a fresh process."""
+
+STEADY_RUNTIMES = ("eager", "ort_blocks", "ort")
+"""Runtimes whose steady steps alternate in one process."""
+
+
+@dataclass
+class DepthResult:
+    """One layer count: first steps (s) per runtime, median steady steps (ms), ORTModule's build counts."""
+
+    layers: int
+    first_step_s: dict[str, float]
+    step_ms: dict[str, float]
+    onnx_exports: dict[str, int]
+
+
+def gpt2_model(layers: int, width: int) -> nn.Module:
+    """``GPT2LMHeadModel`` with ``layers`` layers of ``width`` (heads of 64), GPT-2's vocabulary, no dropout.
+
+    Raises:
+        ImportError: ``transformers`` is not installed.
+    """
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as err:
+        raise ImportError(
+            "python -m lightning_ort.bench --depth builds Hugging Face GPT-2 models: pip install transformers"
+        ) from err
+    config = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=max(width // 64, 1), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    model = GPT2LMHeadModel(config)
+    model.config.use_cache = False
+    return model
+
+
+def _batch(device: torch.device, vocab: int = 50257) -> torch.Tensor:
+    return torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+class _Trainee:
+    """One runtime's model, optimizer and training step on the fixed batch."""
+
+    def __init__(self, runtime: str, model: nn.Module, device: torch.device) -> None:
+        self.runtime = runtime
+        self.model = model
+        if runtime == "ort_blocks":
+            self.model = ORTModule(model, blocks="auto")
+        elif runtime == "ort":
+            self.model = ORTModule(model)
+        elif runtime == "inductor":
+            self.model = torch.compile(model)  # type: ignore[assignment]
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.ids = _batch(device)
+        self.device = device
+
+    def step(self) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    @property
+    def onnx_exports(self) -> int:
+        return self.model.statistics.onnx_exports if isinstance(self.model, ORTModule) else 0
+
+
+def probe(kind: str, layers: int, width: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """What one probe process measures; ``kind`` is a runtime of :data:`FIRST_STEP_RUNTIMES` or ``"steady"``."""
+    torch.manual_seed(0)
+    model = gpt2_model(layers, width).to(device)
+    if kind != "steady":
+        trainee = _Trainee(kind, model, device)
+        return {"first_step_s": trainee.step(), "onnx_exports": trainee.onnx_exports}
+    trainees = []
+    for runtime in STEADY_RUNTIMES:
+        trainee = _Trainee(runtime, gpt2_model(layers, width).to(device), device)
+        trainee.model.load_state_dict(model.state_dict())
+        trainee.step()
+        trainees.append(trainee)
+    times: dict[str, list[float]] = {t.runtime: [] for t in trainees}
+    for _ in range(steps):
+        for trainee in trainees:
+            times[trainee.runtime].append(trainee.step() * 1e3)
+    return {"step_ms": {runtime: statistics.median(values) for runtime, values in times.items()}}
+
+
+def run_depth_study(layer_counts: Sequence[int], width: int, steps: int, device: torch.device) -> list[DepthResult]:
+    """Run the probes of every layer count (see the module docstring), one fresh process each."""
+    results = []
+    for layers in layer_counts:
+        first: dict[str, float] = {}
+        exports: dict[str, int] = {}
+        for runtime in FIRST_STEP_RUNTIMES:
+            measured = _run_probe(runtime, layers, width, steps, device)
+            first[runtime] = measured["first_step_s"]
+            exports[runtime] = measured["onnx_exports"]
+        steady = _run_probe("steady", layers, width, steps, device)
+        results.append(DepthResult(layers, first, steady["step_ms"], exports))
+    return results
+
+
+def _run_probe(kind: str, layers: int, width: int, steps: int, device: torch.device) -> dict[str, Any]:
+    command = [sys.executable, "-m", "lightning_ort.bench", "--device", str(device), "--depth-probe", kind]
+    command += ["--depth", str(layers), "--depth-width", str(width), "--steps", str(steps)]
+    with tempfile.TemporaryDirectory(prefix="lightning_ort_bench_inductor_") as cache:
+        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        result = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
+    if result.returncode != 0:
+        raise RuntimeError(f"the {kind} probe at {layers} layers failed:\n{result.stderr[-3000:]}")
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def format_depth_report(results: Sequence[DepthResult], width: int) -> str:
+    """The table ``--depth`` prints: first steps and steady steps per layer count."""
+    lines = [
+        f"GPT-2 style model (GPT2LMHeadModel, width {width}, batch 4 x 128): first training step in fresh "
+        "processes (s), steady step (median ms, alternating in one process)",
+        f"{'layers':>6}{'ORT blocks':>12}{'ORT whole':>11}{'inductor':>10}{'exports':>10}"
+        f"{'eager ms':>10}{'blocks ms':>11}{'whole ms':>10}{'blocks/whole':>14}",
+    ]
+    for r in results:
+        exports = f"{r.onnx_exports['ort_blocks']}/{r.onnx_exports['ort']}"
+        lines.append(
+            f"{r.layers:>6}{r.first_step_s['ort_blocks']:>12.1f}{r.first_step_s['ort']:>11.1f}"
+            f"{r.first_step_s['inductor']:>10.1f}{exports:>10}{r.step_ms['eager']:>10.0f}"
+            f"{r.step_ms['ort_blocks']:>11.0f}{r.step_ms['ort']:>10.0f}"
+            f"{r.step_ms['ort_blocks'] / r.step_ms['ort']:>13.2f}x"
+        )
+    if len(results) > 1:
+        shallow, deep = results[0], results[-1]
+        blocks = deep.first_step_s["ort_blocks"] / shallow.first_step_s["ort_blocks"]
+        whole = deep.first_step_s["ort"] / shallow.first_step_s["ort"]
+        lines.append(
+            f"first step at {deep.layers} layers against {shallow.layers}: ORT blocks {blocks:.2f}x, ORT whole-model "
+            f"graph {whole:.2f}x (exports: with block graphs / whole model)"
+        )
+    return "\n".join(lines)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
