@@ -30,7 +30,10 @@ def main() -> None:
     model = LitTransformerLM()
     trainer.fit(model, SyntheticTokens())
     stats = model.encoder.statistics
-    print(f"encoder ran in ONNX Runtime: {stats.forward_runs} forward and {stats.backward_runs} backward runs")
+    print(
+        f"encoder ran in ONNX Runtime: {stats.forward_runs} forward and {stats.backward_runs} backward runs, "
+        f"its {len(model.encoder.module.layers)} layers through {stats.block_graphs} block graphs"
+    )
     print(f"final metrics: { {k: round(float(v), 3) for k, v in trainer.callback_metrics.items()} }")
 
 

@@ -1,6 +1,7 @@
 """Train PyTorch and PyTorch Lightning models through ONNX Runtime.
 
-Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"`` and ``"ort_ddp_spawn"``;
+Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"``, ``"ort_ddp_spawn"`` and
+``"ort_fsdp"``;
 installing it registers the ``torch.compile`` backend ``"ort"``.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from lightning_ort.callback import ORTCallback
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
+from lightning_ort.engine.blocks import BlockError
 from lightning_ort.engine.capture import CaptureError, FallbackWarning
 from lightning_ort.engine.disk_cache import DiskCacheWarning
 from lightning_ort.engine.export import ExportError
@@ -20,6 +22,7 @@ from lightning_ort.strategies import ORTDDPStrategy, ORTFSDPStrategy, ORTSingleD
 register_strategies()
 
 __all__ = [
+    "BlockError",
     "CacheStatistics",
     "CaptureError",
     "DebugOptions",

@@ -224,6 +224,7 @@ class ORTModule(nn.Module):
                 "ORTModule(module, DebugOptions(profile=True, save_path=...))."
             )
         files = [path for _, runner in self._backend.runners() for path in runner.end_profiling()]
+        self._backend.retire_block_graphs()
         return read_profiles(files, skip_runs=skip_runs)
 
     def clear_cache(self) -> None:

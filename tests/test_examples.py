@@ -48,4 +48,6 @@ def test_lightning_quickstart_runs_ort_ddp_on_two_cpu_processes(tmp_path: Path) 
 def test_existing_project_callback_example(tmp_path: Path) -> None:
     result = _run_example("existing_project_callback.py", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "encoder ran in ONNX Runtime: 5 forward and 4 backward runs" in result.stdout
+    ran = re.search(r"encoder ran in ONNX Runtime: (\d+) forward and (\d+) backward runs, its 2 layers", result.stdout)
+    assert ran is not None, result.stdout[-2000:]
+    assert int(ran[1]) > 4 and int(ran[2]) >= 4 * 2, "4 training steps through the 2 layers' block graph"

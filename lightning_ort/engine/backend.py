@@ -151,6 +151,10 @@ class ORTBackend:
             yield from graph.runners
         yield from self._blocks.runners()
 
+    def retire_block_graphs(self) -> None:
+        """Build new block graphs for the graphs captured from now on (see :meth:`BlockGraphs.retire`)."""
+        self._blocks.retire()
+
     def clear(self) -> None:
         """Forget the graphs built so far (their run counts stay in the statistics)."""
         self._retired_runs = self._run_counts()

@@ -259,7 +259,8 @@ class BlockGraphs:
     """
 
     def __init__(self) -> None:
-        self._runners: dict[tuple[str, tuple[str, ...]], tuple[str, Any]] = {}
+        self._reusable: dict[tuple[str, tuple[str, ...]], tuple[str, Any]] = {}
+        self._built: list[tuple[str, Any]] = []
         self.built = 0
         """Block graphs built (each exported and loaded once, or read from the disk cache)."""
         self.reused = 0
@@ -267,21 +268,32 @@ class BlockGraphs:
 
     def runners(self) -> list[tuple[str, Any]]:
         """``(kind, runner)`` of every block graph built so far."""
-        return list(self._runners.values())
+        return list(self._built)
 
     def clear(self) -> None:
         """Forget the runners (the counts stay)."""
-        self._runners.clear()
+        self._reusable.clear()
+        self._built.clear()
+
+    def retire(self) -> None:
+        """Build new block graphs for graphs captured from now on; the built ones keep serving their graphs.
+
+        After :meth:`~lightning_ort.ORTModule.end_profiling`, so that later graphs are profiled again.
+        """
+        self._reusable.clear()
 
     def snapshot(self) -> tuple[int, int, int]:
         """What :meth:`restore` returns to: the runners and counts so far."""
-        return len(self._runners), self.built, self.reused
+        return len(self._built), self.built, self.reused
 
     def restore(self, snapshot: tuple[int, int, int]) -> None:
         """Forget the runners built since ``snapshot`` (a build that did not finish) and their counts."""
         kept, self.built, self.reused = snapshot
-        for key in list(self._runners)[kept:]:
-            del self._runners[key]
+        removed = [runner for _, runner in self._built[kept:]]
+        del self._built[kept:]
+        for key, (_, runner) in list(self._reusable.items()):
+            if any(runner is other for other in removed):
+                del self._reusable[key]
 
     def substitute(
         self,
@@ -306,11 +318,11 @@ class BlockGraphs:
             subgraph = getattr(gm, holder.target)
             examples = [arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg for arg in operands]
             key = (subgraph.code, tuple(_signature(value) for value in examples))
-            entry = self._runners.get(key)
+            entry = self._reusable.get(key)
             if entry is None:
-                index = sum(1 for _, runner in self._runners.values() if runner.name.startswith(f"{name}_block"))
-                block_name = f"{name}_block{index}"
-                entry = self._runners[key] = (kind, build(subgraph, examples, block_name))
+                index = sum(1 for _, runner in self._built if runner.name.startswith(f"{name}_block"))
+                entry = self._reusable[key] = (kind, build(subgraph, examples, f"{name}_block{index}"))
+                self._built.append(entry)
                 self.built += 1
             else:
                 self.reused += 1

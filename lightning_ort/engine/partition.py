@@ -177,7 +177,8 @@ class PartitionedGraph:
         inputs = list(args)
         args.clear()
         outputs = self._gm(*inputs)
-        self.runs += 1
+        if self._sessions:  # a graph of block calls and glue alone ran nothing in ONNX Runtime itself
+            self.runs += 1
         return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
 
 

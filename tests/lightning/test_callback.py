@@ -58,7 +58,8 @@ def test_metrics_reach_callback_metrics_and_csv(tmp_path: Path) -> None:
     assert {float(r["ort/cache_misses"]) for r in rows if r["step"] == "5"} <= {1.0, 2.0}
     assert trainer.progress_bar_metrics.keys() >= {"ort/cache_hits", "ort/cache_misses", "ort/export_time_s"}
     stats = model.net.statistics
-    assert stats.forward_runs > 0 and stats.backward_runs == 6
+    assert stats.forward_runs > 0 and stats.backward_runs == 6 * 2, "6 steps, the block graph of 2 layers each"
+    assert stats.block_graphs >= 2
 
 
 def test_training_matches_plain_lightning_with_accumulation_and_clipping(tmp_path: Path) -> None:
@@ -90,7 +91,7 @@ def test_validate_test_and_predict_run_eval_graphs(tmp_path: Path) -> None:
     assert predictions is not None and predictions[0].shape == (8, 16)
     stats = model.net.statistics
     assert stats.backward_runs == 0 and stats.forward_runs > 0
-    assert model.net.graphs == ["inference"]
+    assert model.net.graphs == ["inference", "inference_block0"]
     assert test_results["test_loss"] > 0
     assert test_results["ort/cache_misses"] == 1  # validate built the eval graph; test reused it
 
@@ -104,7 +105,8 @@ def test_profiles_are_written_and_summarised_at_the_end_of_each_stage(
     with caplog.at_level(logging.INFO):
         trainer.fit(model)
     stems = sorted(p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json"))
-    assert stems == ["lm_net_backward", "lm_net_forward", "lm_net_inference_1"]
+    # The encoder is its layers' block graphs: one file per block graph.
+    assert stems == ["lm_net_backward_block0", "lm_net_forward_block0", "lm_net_inference_1_block0"]
     (summary,) = [r.getMessage() for r in caplog.records if "ONNX Runtime profile of `net`" in r.getMessage()]
     assert "(fit, " in summary and "(outside kernels)" in summary and "ONNX Runtime runs" in summary
     assert str(tmp_path / "profiles") in summary
@@ -117,7 +119,12 @@ def test_profiles_are_written_and_summarised_at_the_end_of_each_stage(
     (summary,) = [r.getMessage() for r in caplog.records if "ONNX Runtime profile of `net`" in r.getMessage()]
     assert "(validate, " in summary
     stems = sorted(p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json"))
-    assert stems == ["lm_net_backward", "lm_net_forward", "lm_net_inference_1", "lm_net_inference_2"]
+    assert stems == [
+        "lm_net_backward_block0",
+        "lm_net_forward_block0",
+        "lm_net_inference_1_block0",
+        "lm_net_inference_2_block0",
+    ]
 
 
 def test_module_created_in_configure_model_is_wrapped_later(tmp_path: Path) -> None:
@@ -139,7 +146,7 @@ def test_bf16_mixed_trains_like_plain_lightning_with_per_op_fallback_on_cpu(tmp_
     for step, (ort, plain) in enumerate(zip(losses["ort"], losses["plain"])):
         assert abs(ort - plain) <= 2e-2 * abs(plain), f"step {step}: ORT {ort} vs eager bf16 {plain}"
     assert isinstance(model.net, ORTModule)
-    assert model.net.statistics.backward_runs == 4
+    assert model.net.statistics.backward_runs == 4 * 2, "4 steps, the block graph of 2 layers each"
     assert model.net.statistics.fallback_ops > 0  # bfloat16 matmuls: no CPU kernels in ONNX Runtime
     assert model.trainer.callback_metrics["ort/fallback_ops"] > 0
 

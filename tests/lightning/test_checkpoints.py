@@ -73,4 +73,4 @@ def test_plain_checkpoint_resumes_under_ort(tmp_path: Path) -> None:
     resumed_trainer, resumed = _fit(tmp_path, "ort", max_steps=3, ckpt_path=path)
     assert resumed_trainer.global_step == 3
     assert isinstance(resumed.net, ORTModule)
-    assert resumed.net.statistics.backward_runs == 1
+    assert resumed.net.statistics.backward_runs == 2, "one step: the block graph of each of the two layers"

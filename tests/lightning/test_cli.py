@@ -35,10 +35,11 @@ def test_yaml_strategy_config_trains_and_saves_prefixed_onnx(tmp_path: Path) -> 
     result = _cli(tmp_path, "--config", str(CONFIG), *FAST)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = sorted(p.name for p in (tmp_path / "onnx_models").glob("*.onnx"))
-    assert "lit_lm_encoder_training_forward_1.onnx" in saved
-    assert "lit_lm_encoder_training_backward_1_optimized.onnx" in saved
+    # The encoder's two layers share one block graph per pass.
+    assert "lit_lm_encoder_training_forward_1_block0.onnx" in saved
+    assert "lit_lm_encoder_training_backward_1_block0_optimized.onnx" in saved
     assert all(name.startswith("lit_lm_encoder_") for name in saved)
-    onnx.checker.check_model(str(tmp_path / "onnx_models" / "lit_lm_encoder_training_backward_1.onnx"))
+    onnx.checker.check_model(str(tmp_path / "onnx_models" / "lit_lm_encoder_training_backward_1_block0.onnx"))
     assert "[V:onnxruntime" in result.stderr, "log_level VERBOSE reaches ONNX Runtime's session logger"
 
 
@@ -70,4 +71,5 @@ def test_callback_added_on_the_command_line(tmp_path: Path) -> None:
     assert "encoder  TransformerEncoder" in result.stdout + result.stderr
     assert "ONNX Runtime profile of `encoder` (fit" in result.stdout + result.stderr
     stems = {p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json")}
-    assert stems == {"encoder_inference", "encoder_forward_1", "encoder_backward_1"}  # sanity check ran first
+    # The sanity check ran first (inference); the encoder's layers share one block graph per pass.
+    assert stems == {"encoder_inference_block0", "encoder_forward_1_block0", "encoder_backward_1_block0"}

@@ -55,8 +55,10 @@ def test_ort_ddp_matches_plain_ddp_and_ranks_agree(tmp_path: Path) -> None:
 
     for record in ort:
         assert set(record["wrapped"]) == {"embed", "net", "head"}, "every rank wraps the same submodules"
-        for stats in record["wrapped"].values():
-            assert stats["backward_runs"] == 6 and stats["forward_runs"] == 6, "ORT ran both passes on each rank"
+        # The encoder `net` is its two layers' block graph, run twice a step; embed and head one graph each.
+        runs = {name: (stats["forward_runs"], stats["backward_runs"]) for name, stats in record["wrapped"].items()}
+        assert runs == {"embed": (6, 6), "net": (12, 12), "head": (6, 6)}, "ORT ran both passes on each rank"
+        assert record["wrapped"]["net"]["block_graphs"] == 2
         metrics = record["metrics"]
         assert metrics["ort/export_time_s"] > 0
         assert metrics["ort/cache_misses"] == 3  # max over ranks of 3 training graphs per rank
@@ -70,9 +72,12 @@ def test_ranks_share_a_cache_dir_and_a_restart_exports_nothing(tmp_path: Path) -
     cache = tmp_path / "graphs"
     first = _run("ort_ddp", tmp_path / "first", cache_dir=cache, profile=tmp_path / "profiles")
     profiles = sorted(p.name.rsplit("_", 3)[0] for p in (tmp_path / "profiles").glob("*.json"))
-    expected = [
-        f"{m}_{g}_profile_rank{r}" for m in ("embed", "head", "net") for g in ("backward", "forward") for r in (0, 1)
-    ]
+    graphs = {
+        "embed": ("backward", "forward"),
+        "head": ("backward", "forward"),
+        "net": ("backward_block0", "forward_block0"),
+    }
+    expected = [f"{m}_{g}_profile_rank{r}" for m in graphs for g in graphs[m] for r in (0, 1)]
     assert profiles == expected, "every rank writes its own profile of every graph at the end of fit"
     files = sorted(cache.glob("*.ortgraph"))
     assert len(files) == 6, "forward and backward graphs of 3 modules, written once whichever rank finished first"

@@ -84,6 +84,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "fallback": "raise",
         "cache_dir": str(tmp_path / "cache"),
         "dynamic": False,
+        "blocks": ["TransformerEncoderLayer"],
     }
     assert set(arguments) == set(inspect.signature(WrapConfig.from_arguments).parameters)
     made = owner(**arguments)
@@ -92,3 +93,4 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
     assert not config.session_settings.allow_spinning
     assert not config.session_settings.release_torch_threads
     assert config.debug_options.profile
+    assert config.blocks == ("TransformerEncoderLayer",)

@@ -34,7 +34,9 @@ class Layer(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, 4, batch_first=True)
+        # No projection biases: the key bias has no gradient, and AdamW turns its rounding noise into updates
+        # that differ between any two implementations.
+        self.attention = nn.MultiheadAttention(width, 4, bias=False, batch_first=True)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
 
