@@ -12,6 +12,10 @@ Logged names and their cross-rank reduction:
   seeing the same shapes this is the number of distinct graphs.
 * ``ort/fallback_ops``: ops running in PyTorch because ONNX cannot express them, summed over submodules, then
   the **maximum** over ranks. ``0`` means everything runs in ONNX Runtime.
+* ``ort/block_graphs``: block graphs built (each exported once for every instance of a repeated block),
+  summed over submodules, then the **maximum** over ranks.
+* ``ort/block_reuses``: block instances that reused a block graph instead of exporting their own, **summed**
+  over submodules and ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ CAPTURE_TIME = "ort/capture_time_s"
 FALLBACK_OPS = "ort/fallback_ops"
 CACHE_HITS = "ort/cache_hits"
 CACHE_MISSES = "ort/cache_misses"
+BLOCK_GRAPHS = "ort/block_graphs"
+BLOCK_REUSES = "ort/block_reuses"
 
 
 def total_statistics(modules: Mapping[str, ORTModule]) -> CacheStatistics:
@@ -50,7 +56,7 @@ class ORTMetrics:
         >>> values = metrics.compute(CacheStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
         >>> {name: float(value) for name, value in values.items()}  # doctest: +NORMALIZE_WHITESPACE
         {'ort/export_time_s': 1.5, 'ort/capture_time_s': 0.0, 'ort/cache_hits': 3.0, 'ort/cache_misses': 2.0,
-         'ort/fallback_ops': 0.0}
+         'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0}
     """
 
     def __init__(self) -> None:
@@ -60,6 +66,8 @@ class ORTMetrics:
             CACHE_HITS: SumMetric(),
             CACHE_MISSES: MaxMetric(),
             FALLBACK_OPS: MaxMetric(),
+            BLOCK_GRAPHS: MaxMetric(),
+            BLOCK_REUSES: SumMetric(),
         }
 
     def compute(self, stats: CacheStatistics, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -70,6 +78,8 @@ class ORTMetrics:
             CACHE_HITS: float(stats.cache_hits),
             CACHE_MISSES: float(stats.cache_misses),
             FALLBACK_OPS: float(stats.fallback_ops),
+            BLOCK_GRAPHS: float(stats.block_graphs),
+            BLOCK_REUSES: float(stats.block_reuses),
         }
         values = {}
         for name, metric in self._metrics.items():
