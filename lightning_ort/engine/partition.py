@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
@@ -40,6 +41,11 @@ def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[st
     covered = _onnx_coverage()
     reasons: dict[str, str] = {}
     for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            # Such as activation checkpointing's `run_and_save_rng_state`/`run_with_rng_state`, which replay a
+            # dropout mask in the recomputation: PyTorch runs them with its own generator state.
+            reasons[node.name] = "ONNX has no translation for"
+            continue
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         dtypes = _dtypes(node)
@@ -106,6 +112,7 @@ def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[t
         gm: the captured graph (left unchanged).
         unsupported: names of the nodes that must run in PyTorch.
     """
+    _fill_missing_values(gm)
     partitioner = CapabilityBasedPartitioner(
         copy_graph_module(gm), _NodeSupport(frozenset(unsupported)), allows_single_node_partition=True
     )
@@ -119,6 +126,24 @@ def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[t
     fused.recompile()
     names = [node.target for node in fused.graph.nodes if node.op == "call_module"]
     return fused, [str(name) for name in names]
+
+
+def _fill_missing_values(gm: torch.fx.GraphModule) -> None:
+    """Give nodes without a fake ``val`` one, computed from their inputs' (partitions' inputs need them).
+
+    AOTAutograd's partitioner leaves none on the higher-order operators it adds to a backward graph
+    (activation checkpointing's ``run_with_rng_state``).
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "val" in node.meta:
+            continue
+        inputs = [arg.meta.get("val") for arg in node.all_input_nodes]
+        fake = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
+        if fake is None or any(v is None for v in inputs):
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta["val"])
+        with fake:
+            node.meta["val"] = node.target(*args, **kwargs)
 
 
 class PartitionCall(torch.nn.Module):

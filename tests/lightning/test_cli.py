@@ -73,3 +73,17 @@ def test_callback_added_on_the_command_line(tmp_path: Path) -> None:
     stems = {p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json")}
     # The sanity check ran first (inference); the encoder's layers share one block graph per pass.
     assert stems == {"encoder_inference_block0", "encoder_forward_1_block0", "encoder_backward_1_block0"}
+
+
+def test_ort_fsdp_by_class_path_with_activation_checkpointing(tmp_path: Path) -> None:
+    result = _cli(
+        tmp_path,
+        "--trainer.strategy=lightning_ort.ORTFSDPStrategy",
+        "--trainer.strategy.activation_checkpointing=true",
+        "--trainer.accelerator=cpu",
+        "--trainer.enable_checkpointing=false",
+        *FAST,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "`encoder` sharded over 1 ranks as 2 block(s) of TransformerEncoderLayer" in output
