@@ -148,10 +148,6 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
     return wrapped_submodules(root)
 
 
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _names(blocks: Sequence[str] | str) -> tuple[str, ...]:
     return (blocks,) if isinstance(blocks, str) else tuple(blocks)
 
@@ -162,12 +158,10 @@ def _blocks_per_target(
     """The block classes of each module; a named class no module holds is an error listing the repeated ones."""
     if blocks is None or blocks == "auto":
         return [resolve_blocks(module, blocks) for module in modules]
-    found = [resolve_blocks(module, blocks, missing_ok=True) for module in modules]
-    held = {name for classes in found for cls in classes for name in (cls.__name__, _qualified(cls))}
     for name in blocks:
-        if name not in held and modules:
+        if modules and not any(resolve_blocks(module, [name], missing_ok=True) for module in modules):
             resolve_blocks(modules[0], [name])
-    return found
+    return [resolve_blocks(module, blocks, missing_ok=True) for module in modules]
 
 
 def wrapped_submodules(root: nn.Module) -> dict[str, ORTModule]:

@@ -53,8 +53,11 @@ def repeated_classes(model: nn.Module) -> dict[type[nn.Module], int]:
     return found
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def _collect(module: nn.Module, found: dict[type[nn.Module], int]) -> None:
-    if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+    if isinstance(module, _CONTAINERS):
         counts: dict[type[nn.Module], int] = {}
         for child in module.children():
             if next(child.children(), None) is not None and not isinstance(child, _CONTAINERS):
@@ -68,9 +71,6 @@ def _collect(module: nn.Module, found: dict[type[nn.Module], int]) -> None:
         return
     for child in module.children():
         _collect(child, found)
-
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def resolve_blocks(

@@ -109,7 +109,7 @@ def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[t
     """A copy of ``gm`` whose supported nodes are fused into submodules; returns it and their names.
 
     Args:
-        gm: the captured graph (left unchanged).
+        gm: the captured graph (left unchanged, but for fake values given to nodes that lacked them).
         unsupported: names of the nodes that must run in PyTorch.
     """
     _fill_missing_values(gm)

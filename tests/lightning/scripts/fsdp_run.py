@@ -23,11 +23,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 import lightning_ort
 from lightning_ort.engine.session import GraphSession
 from lightning_ort.wrapping import wrapped_submodules
 from tests.lightning.models import token_dataset
+from tests.lightning.scripts import ddp_run
 
 
 class Layer(nn.Module):
@@ -90,16 +92,10 @@ class ShardedBlockLM(BlockLM):
         fully_shard(self.net, mesh=mesh)
 
 
-class Recorder(pl.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.losses: list[float] = []
+class Recorder(ddp_run.Recorder):
+    """Losses, local parameter and optimizer bytes and ORT statistics of each rank."""
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.losses.append(float(outputs["loss"]))
-
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         local = sum(
             (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in pl_module.parameters()
