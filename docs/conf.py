@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 project = "lightning-ort"
 author = "lightning-ort developers"
-release = "0.1.0"
+release = metadata.version("lightning-ort")
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build"]

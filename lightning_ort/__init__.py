@@ -7,16 +7,24 @@ installing it registers the ``torch.compile`` backend ``"ort"``.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from lightning_ort.callback import ORTCallback
+from lightning_ort.config import OptimizationLevel, ORTConfig
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
-from lightning_ort.engine.blocks import BlockError
-from lightning_ort.engine.capture import CaptureError, FallbackWarning
-from lightning_ort.engine.disk_cache import DiskCacheWarning
-from lightning_ort.engine.export import ExportError
 from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
-from lightning_ort.engine.session import SessionError
-from lightning_ort.module import ORTModule, ORTModuleError
-from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
+from lightning_ort.errors import (
+    BlockError,
+    CaptureError,
+    DiskCacheWarning,
+    ExportError,
+    FallbackWarning,
+    LightningORTError,
+    ORTModuleError,
+    SessionError,
+)
+from lightning_ort.module import ORTModule
+from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
 from lightning_ort.strategies import ORTDDPStrategy, ORTFSDPStrategy, ORTSingleDeviceStrategy, register_strategies
 
 register_strategies()
@@ -28,20 +36,24 @@ __all__ = [
     "DebugOptions",
     "DiskCacheWarning",
     "ExportError",
+    "Fallback",
     "FallbackWarning",
     "KernelProfile",
+    "LightningORTError",
     "LogLevel",
     "ORTCallback",
+    "ORTConfig",
     "ORTDDPStrategy",
     "ORTFSDPStrategy",
     "ORTModule",
     "ORTModuleError",
     "ORTSingleDeviceStrategy",
     "OpTime",
+    "OptimizationLevel",
     "ORTBackend",
     "SessionError",
     "SessionSettings",
     "read_profiles",
 ]
 
-__version__ = "0.1.0"
+__version__ = version("lightning-ort")

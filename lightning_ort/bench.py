@@ -11,8 +11,8 @@ ORTModule of the first workload. ``--profile DIR`` also trains each workload's O
 profiler on, keeps the profiles (Chrome-trace JSON) in ``DIR`` and prints where a step's time goes: kernel time
 per op type, ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
-A factory for ``--module`` takes a :class:`torch.device` and returns ``(module, inputs, loss_fn)``: ``inputs``
-a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tensor.
+The workloads and the ``--module`` factory contract are in :mod:`lightning_ort.bench_workloads`; the
+``--depth`` and ``--fsdp`` studies in :mod:`lightning_ort.bench_depth` and :mod:`lightning_ort.bench_fsdp`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import importlib
 import json
 import os
 import re
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,131 +38,16 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ort.bench_depth import DepthResult, format_depth_report, probe, run_depth_study
+from lightning_ort.bench_fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
+from lightning_ort.bench_workloads import WORKLOADS, Workload, load_factory
 from lightning_ort.engine.profiling import KernelProfile
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions
 
 RUNTIMES = ("eager", "inductor", "ort")
-
-
-@dataclass
-class Workload:
-    """A model, one batch of inputs and a loss: what one training step runs."""
-
-    name: str
-    model: nn.Module
-    inputs: tuple[torch.Tensor, ...]
-    loss_fn: Callable[[Any], torch.Tensor]
-
-
-class ResidualBlock(nn.Module):
-    """Two 3x3 conv/BatchNorm layers with a skip connection (a 1x1 projection when the shape changes).
-
-    Example:
-        >>> ResidualBlock(3, 8, stride=2)(torch.randn(2, 3, 8, 8)).shape
-        torch.Size([2, 8, 4, 4])
-    """
-
-    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels_out)
-        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels_out)
-        self.skip: nn.Module = nn.Identity()
-        if stride != 1 or channels_in != channels_out:
-            self.skip = nn.Sequential(
-                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
-
-
-class TransformerLM(nn.Module):
-    """``Embedding(vocab, width)``, a pre-norm ``nn.TransformerEncoder`` and a ``Linear(width, vocab)`` head.
-
-    Example:
-        >>> TransformerLM(vocab=50, width=16, heads=2, layers=1)(torch.zeros(2, 8, dtype=torch.long)).shape
-        torch.Size([2, 8, 50])
-    """
-
-    def __init__(self, vocab: int, width: int, heads: int, layers: int, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(ids)))
-
-
-def _token_loss(targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def transformer_workload(device: torch.device) -> Workload:
-    """Embedding(1000, 256), 4 pre-norm layers (8 heads, ff 1024, dropout 0.1), 32 x 64 tokens."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 1000, (32, 65), generator=g).to(device)
-    model = TransformerLM(vocab=1000, width=256, heads=8, layers=4)
-    return Workload("transformer", model, (ids[:, :-1],), _token_loss(ids[:, 1:]))
-
-
-def mlp_workload(device: torch.device) -> Workload:
-    """Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10), batch 256."""
-    g = torch.Generator().manual_seed(1)
-    x, labels = torch.randn(256, 512, generator=g).to(device), torch.randint(0, 10, (256,), generator=g).to(device)
-    model = nn.Sequential(
-        nn.Linear(512, 2048), nn.GELU(), nn.LayerNorm(2048), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10)
-    )
-    return Workload("mlp", model, (x,), _token_loss(labels))
-
-
-def cnn_workload(device: torch.device) -> Workload:
-    """A ResNet-style stem and three stages (32, 64, 128 channels) on 64 images of 32x32x3, 10 classes."""
-    g = torch.Generator().manual_seed(1)
-    images = torch.randn(64, 3, 32, 32, generator=g).to(device)
-    labels = torch.randint(0, 10, (64,), generator=g).to(device)
-    model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, 1, 1, bias=False),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        ResidualBlock(32, 32, 1),
-        ResidualBlock(32, 64, 2),
-        ResidualBlock(64, 128, 2),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(128, 10),
-    )
-    return Workload("cnn", model, (images,), _token_loss(labels))
-
-
-WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
-    "transformer": transformer_workload,
-    "mlp": mlp_workload,
-    "cnn": cnn_workload,
-}
-
-
-def load_factory(spec: str) -> Callable[[torch.device], Workload]:
-    """Turn ``"pkg.mod:factory"`` into a workload factory (see the module docstring for the contract)."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"--module expects 'package.module:factory', got {spec!r}.")
-    factory = getattr(importlib.import_module(module_name), attribute)
-
-    def build(device: torch.device) -> Workload:
-        model, inputs, loss_fn = factory(device)
-        return Workload(spec, model, tuple(inputs), loss_fn)
-
-    return build
 
 
 @dataclass
@@ -233,6 +117,7 @@ class BenchReport:
     profiles: list[ProfileResult] = field(default_factory=list)
     depth: list[DepthResult] = field(default_factory=list)
     depth_width: int = 0
+    fsdp: FsdpResult | None = None
 
 
 def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.device) -> dict[str, float]:
@@ -480,6 +365,8 @@ def format_report(report: BenchReport) -> str:
     ]
     if report.depth:
         return "\n".join([*lines, format_depth_report(report.depth, report.depth_width)])
+    if report.fsdp is not None:
+        return "\n".join([*lines, format_fsdp_report(report.fsdp)])
     width = max([12, *(len(result.workload) + 2 for result in report.workloads)])
     lines.append(
         f"{'workload':<{width}}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
@@ -588,7 +475,17 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         help="instead of the workloads, time the first step of a GPT-2 style model (Hugging Face transformers) at "
         "these layer counts: ORTModule with block graphs, with one graph, and inductor, each in a fresh process",
     )
-    parser.add_argument("--depth-width", type=int, default=768, help="the --depth model's width (default 768)")
+    parser.add_argument(
+        "--depth-width", type=int, default=768, help="the --depth and --fsdp model's width (default 768)"
+    )
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        metavar="RANKS",
+        help="instead of the workloads, train a GPT-2 style model on RANKS processes with DDP, plain FSDP and "
+        "ort_fsdp in alternation: per-rank parameter and optimizer memory, and step time",
+    )
+    parser.add_argument("--fsdp-layers", type=int, default=4, help="the --fsdp model's layer count (default 4)")
     parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
     parser.add_argument("--depth-probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -606,6 +503,9 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
             depth=run_depth_study(args.depth, args.depth_width, args.steps, device),
             depth_width=args.depth_width,
         )
+    if args.fsdp:
+        fsdp = run_fsdp_study(args.fsdp, args.fsdp_layers, args.depth_width, args.steps, device)
+        return _report(args, device, matmul_gflops(device), fsdp=fsdp)
     factories = [WORKLOADS[name] for name in args.workload or ([] if args.module else list(WORKLOADS))]
     factories += [load_factory(spec) for spec in args.module]
     workloads = [factory(device) for factory in factories]

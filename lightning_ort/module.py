@@ -13,14 +13,24 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.exc import UncapturedHigherOrderOpError
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers
-from lightning_ort.engine.blocks import BlockSpec, mark_blocks, resolve_blocks
+from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers, user_frame
+from lightning_ort.engine.blocks import (
+    BlockSpec,
+    mark_blocks,
+    marked_blocks,
+    resolve_blocks,
+    uncaptured_block,
+    unmark_class,
+)
 from lightning_ort.engine.capture import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
-from lightning_ort.options import DebugOptions, Fallback, SessionSettings, configure_logger, parse_fallback
+from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, warn
+from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, configure_logger, parse_fallback
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +49,6 @@ _OWN_STATE = frozenset(
     }
 )
 """Attributes the wrapper keeps for itself; setting any other attribute sets it on the wrapped module."""
-
-
-class ORTModuleError(RuntimeError):
-    """Misuse of :class:`ORTModule` that the original onnxruntime-training ORTModule also refused."""
 
 
 class ORTModule(nn.Module):
@@ -143,7 +149,7 @@ class ORTModule(nn.Module):
         self._building_calls = 0
         self._compile()
         self._expose_forward()
-        configure_logger(debug.log_level)
+        configure_logger(LogLevel(debug.log_level))
 
     @property
     def module(self) -> nn.Module:
@@ -236,12 +242,53 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
         graphs = self._backend.build_log.graphs
-        with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback):
-            output = self._compiled(self._original_module, *args, **kwargs)
+        try:
+            with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback):
+                output = self._compiled(self._original_module, *args, **kwargs)
+        except UncapturedHigherOrderOpError as error:
+            self._drop_uncaptured_block(error)
+            return self.forward(*args, **kwargs)
         self._calls += 1
         if self._backend.build_log.graphs != graphs:
             self._building_calls += 1
         return output
+
+    def _drop_uncaptured_block(self, error: UncapturedHigherOrderOpError) -> None:
+        """Capture the block class TorchDynamo could not capture whole with the model's graph from now on.
+
+        A graph break inside a block's ``forward`` cannot be a block graph. Under ``fallback="raise"`` or when
+        FSDP shards the block (its parameters are gathered around the block's own graph) this is an error.
+
+        Raises:
+            BlockError: the block must be a block graph, or ``error`` did not come from a marked block.
+        """
+        owner = type(self._original_module).__name__
+        cls = uncaptured_block(error, self._blocks)
+        if cls is None:
+            raise error
+        marked = marked_blocks(self._original_module)
+        reason = str(getattr(error, "msg", error)).split("Got graph break/error:", 1)[-1].strip()
+        where = f"{user_frame(error)}: {first_line(reason)}"
+        instances = {
+            name: module
+            for name, module in self._original_module.named_modules()
+            if isinstance(module, cls) and module in marked
+        }
+        path = next(iter(instances), "?")
+        if self.fallback == "raise" or any(isinstance(module, FSDPModule) for module in instances.values()):
+            raise BlockError(
+                f"{owner}: block {cls.__name__} (`{path}`) cannot be captured as one graph: TorchDynamo stops at "
+                f"{where}. Remove that graph break from {cls.__name__}.forward, or name the other block classes "
+                f"in blocks=[...] (blocks=None for none)."
+            ) from error
+        unmark_class(self._original_module, cls)
+        self._blocks = tuple(block for block in self._blocks if block is not cls)
+        warn(
+            f"lightning_ort: {owner}: block {cls.__name__} (`{path}`) is captured with the model's graphs, not as "
+            f"a block graph of its own: TorchDynamo stops at {where}. Remove that graph break from "
+            f"{cls.__name__}.forward to share one graph between its instances.",
+            FallbackWarning,
+        )
 
     def _expose_forward(self) -> None:
         """Give this instance a ``forward`` that carries the wrapped module's signature and docstring.
@@ -345,12 +392,14 @@ class ORTModule(nn.Module):
                 return types.MethodType(value.__func__, self)
             return value
 
+    @override
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_backend"] = state["_compiled"] = None
         del state["forward"]
         return state
 
+    @override
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__["_calls"] = self.__dict__["_building_calls"] = 0

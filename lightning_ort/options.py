@@ -100,7 +100,8 @@ class DebugOptions:
         save_onnx: write every exported model and the model ONNX Runtime optimized from it to
             ``<save_path>/<onnx_prefix>_training_forward.onnx``, ``..._training_backward.onnx`` and
             ``..._inference.onnx`` (see :meth:`onnx_file`); needs ``onnx_prefix``.
-        log_level: severity for ONNX Runtime's session logs and for the ``lightning_ort`` Python logger.
+        log_level: severity for ONNX Runtime's session logs and for the ``lightning_ort`` Python logger: a
+            :class:`LogLevel` or its name (``"INFO"``); always a :class:`LogLevel` once constructed.
         onnx_prefix: file name prefix of the saved models and profiles; required with ``save_onnx``.
         save_path: folder for the saved models and profiles; created if missing, checked for write access at once.
         profile: record ONNX Runtime's profile of every session (each kernel's time, op type and provider, per
@@ -113,12 +114,12 @@ class DebugOptions:
 
     Example:
         >>> options = DebugOptions(log_level=LogLevel.INFO, onnx_prefix="mlp")
-        >>> options.log_level.ort_severity
+        >>> LogLevel(options.log_level).ort_severity
         1
     """
 
     save_onnx: bool = False
-    log_level: LogLevel = LogLevel.WARNING
+    log_level: LogLevel | str = LogLevel.WARNING
     onnx_prefix: str = ""
     save_path: str | os.PathLike[str] = field(default_factory=os.getcwd)
     profile: bool = False
@@ -199,11 +200,10 @@ class SessionSettings:
             parallel sections cost more than it saved (a 3x3 convolution ran slower on two threads than on one).
             Spinning always stops when a run returns (``session.force_spinning_stop``): PyTorch runs the loss,
             autograd and the optimizer between ONNX Runtime calls, and threads still spinning then would take
-            its cores (a CPU training step took 2.8x longer).
+            its cores.
         release_torch_threads: on CPU, make PyTorch's idle OpenMP worker threads stop busy-waiting before each
-            ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads (the benchmark's
-            mlp step: 2-11% shorter). PyTorch's next parallel operator starts them again (about 0.3 ms), so graphs
-            whose last run took under 1 ms run without it.
+            ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads. PyTorch's next
+            parallel operator starts them again, so graphs whose last run took under 1 ms run without it.
             See :mod:`lightning_ort.engine.openmp`.
 
     Example:

@@ -10,10 +10,9 @@ The names are registered when ``lightning_ort`` is imported.
 
 from __future__ import annotations
 
+import inspect
 import logging
-import os
 import warnings
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,13 +26,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ort.callback import OptimizationLevel, ORTCallback
+from lightning_ort.callback import ORTCallback
+from lightning_ort.config import ORTConfig, ort_arguments
 from lightning_ort.engine.blocks import mark_blocks
-from lightning_ort.engine.capture import FallbackWarning
-from lightning_ort.options import Fallback, LogLevel
+from lightning_ort.errors import FallbackWarning
+from lightning_ort.module import ORTModule
 from lightning_ort.wrapping import wrapped_submodules
 
 log = logging.getLogger(__name__)
@@ -62,31 +65,9 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
     ``training_step``, the loss and logging stay in PyTorch. ``setup`` runs for every fit/validate/test call:
     wrapping is idempotent. Metrics are logged by an :class:`~lightning_ort.ORTCallback` added to the trainer.
 
+    Takes the ORT arguments of :class:`~lightning_ort.ORTConfig` as keyword arguments, and:
+
     Args:
-        modules: LightningModule attribute paths to wrap; see :class:`~lightning_ort.ORTCallback`.
-        save_onnx: save exported and ORT-optimized models.
-        log_level: VERBOSE, INFO, WARNING, ERROR or FATAL.
-        onnx_prefix: file name prefix of saved models.
-        save_path: folder for saved models and profiles (default: working directory).
-        profile: record ONNX Runtime's profile of every graph; see :class:`~lightning_ort.ORTCallback`.
-        providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
-        optimization_level: ONNX Runtime graph optimization level.
-        intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
-        allow_spinning: let ONNX Runtime's threads busy-wait inside a run (see
-            :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
-        release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
-            run (see :class:`~lightning_ort.SessionSettings`).
-        fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
-        cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
-            loads them instead of exporting again (default: no on-disk cache).
-        dynamic: symbolic input sizes: ``None`` (automatic: sizes that change between calls become symbolic),
-            ``True`` (all from the start), ``False`` (one graph per shape).
-        blocks: block graphs: ``"auto"`` (default) exports each block class repeated within a wrapped network
-            (transformer layers in an ``nn.ModuleList``) once and runs every instance through it, so the first
-            step stops growing with depth; class names (``["GPT2Block"]``) choose them; ``None`` captures each
-            network as one graph. See :class:`~lightning_ort.ORTModule`.
-        log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
-        prog_bar: show those metrics in the progress bar.
         start_method: process start method, as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
         **kwargs: the other :class:`~lightning.pytorch.strategies.DDPStrategy` arguments
             (``find_unused_parameters``, ``static_graph``...).
@@ -96,25 +77,9 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         >>> trainer = Trainer(strategy=ORTDDPStrategy(log_level="ERROR"), accelerator="cpu", devices=1, logger=False)
     """
 
+    @ort_arguments
     def __init__(
         self,
-        modules: Sequence[str] | None = None,
-        save_onnx: bool = False,
-        log_level: LogLevel = LogLevel.WARNING,
-        onnx_prefix: str = "",
-        save_path: str | os.PathLike[str] | None = None,
-        profile: bool = False,
-        providers: Sequence[str] | None = None,
-        optimization_level: OptimizationLevel = "all",
-        intra_op_num_threads: int = 0,
-        allow_spinning: bool = True,
-        release_torch_threads: bool = True,
-        fallback: Fallback = "auto",
-        cache_dir: str | os.PathLike[str] | None = None,
-        dynamic: bool | None = None,
-        blocks: Sequence[str] | str | None = "auto",
-        log_metrics: bool = True,
-        prog_bar: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -125,6 +90,13 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
+        ort = ORTCallback(**ORTConfig.take_arguments(kwargs))
+        unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+        if unknown:
+            raise TypeError(
+                f"ORTDDPStrategy got unknown argument(s) {unknown}: neither ORT arguments "
+                f"({', '.join(ORTConfig.argument_names())}) nor DistributedDataParallel's."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -136,25 +108,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._ort = ORTCallback(
-            modules=modules,
-            save_onnx=save_onnx,
-            log_level=log_level,
-            onnx_prefix=onnx_prefix,
-            save_path=save_path,
-            profile=profile,
-            providers=providers,
-            optimization_level=optimization_level,
-            intra_op_num_threads=intra_op_num_threads,
-            allow_spinning=allow_spinning,
-            release_torch_threads=release_torch_threads,
-            fallback=fallback,
-            cache_dir=cache_dir,
-            dynamic=dynamic,
-            blocks=blocks,
-            log_metrics=log_metrics,
-            prog_bar=prog_bar,
-        )
+        self._ort = ort
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -177,8 +131,8 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
 class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
     """One device, networks run in ONNX Runtime: ``Trainer(strategy="ort")``.
 
-    Takes the same ORT arguments as :class:`ORTDDPStrategy`. Without ``device`` it uses the device the Trainer's
-    accelerator picked (``accelerator="gpu", devices=1`` gives ``cuda:0``).
+    Takes the ORT arguments of :class:`~lightning_ort.ORTConfig` as keyword arguments. Without ``device`` it
+    uses the device the Trainer's accelerator picked (``accelerator="gpu", devices=1`` gives ``cuda:0``).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -189,29 +143,14 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
 
     strategy_name = "ort"
 
+    @ort_arguments
     def __init__(
         self,
-        modules: Sequence[str] | None = None,
-        save_onnx: bool = False,
-        log_level: LogLevel = LogLevel.WARNING,
-        onnx_prefix: str = "",
-        save_path: str | os.PathLike[str] | None = None,
-        profile: bool = False,
-        providers: Sequence[str] | None = None,
-        optimization_level: OptimizationLevel = "all",
-        intra_op_num_threads: int = 0,
-        allow_spinning: bool = True,
-        release_torch_threads: bool = True,
-        fallback: Fallback = "auto",
-        cache_dir: str | os.PathLike[str] | None = None,
-        dynamic: bool | None = None,
-        blocks: Sequence[str] | str | None = "auto",
-        log_metrics: bool = True,
-        prog_bar: bool = False,
         device: str | torch.device | int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **ort_options: Any,
     ) -> None:
         super().__init__(
             device=device if device is not None else "cpu",
@@ -221,25 +160,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         )
         # Lightning's accelerator connector fills an empty `parallel_devices` with the devices it chose.
         self.parallel_devices: list[torch.device] | None = [self._root_device] if device is not None else None
-        self._ort = ORTCallback(
-            modules=modules,
-            save_onnx=save_onnx,
-            log_level=log_level,
-            onnx_prefix=onnx_prefix,
-            save_path=save_path,
-            profile=profile,
-            providers=providers,
-            optimization_level=optimization_level,
-            intra_op_num_threads=intra_op_num_threads,
-            allow_spinning=allow_spinning,
-            release_torch_threads=release_torch_threads,
-            fallback=fallback,
-            cache_dir=cache_dir,
-            dynamic=dynamic,
-            blocks=blocks,
-            log_metrics=log_metrics,
-            prog_bar=prog_bar,
-        )
+        self._ort = ORTCallback(**ort_options)
 
     @property
     @override
@@ -284,7 +205,7 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
     them. Checkpoints are sharded folders by default (``save_distributed_checkpoint=False`` gathers one full
     file on rank 0); both hold the plain model's keys.
 
-    Takes the ORT arguments of :class:`ORTDDPStrategy`, and:
+    Takes the ORT arguments of :class:`~lightning_ort.ORTConfig` as keyword arguments, and:
 
     Args:
         activation_checkpointing: recompute each block's forward during the backward (in ONNX Runtime, inside
@@ -309,30 +230,15 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
 
     strategy_name = "ort_fsdp"
 
+    @ort_arguments
     def __init__(
         self,
-        modules: Sequence[str] | None = None,
-        save_onnx: bool = False,
-        log_level: LogLevel = LogLevel.WARNING,
-        onnx_prefix: str = "",
-        save_path: str | os.PathLike[str] | None = None,
-        profile: bool = False,
-        providers: Sequence[str] | None = None,
-        optimization_level: OptimizationLevel = "all",
-        intra_op_num_threads: int = 0,
-        allow_spinning: bool = True,
-        release_torch_threads: bool = True,
-        fallback: Fallback = "auto",
-        cache_dir: str | os.PathLike[str] | None = None,
-        dynamic: bool | None = None,
-        blocks: Sequence[str] | str | None = "auto",
-        log_metrics: bool = True,
-        prog_bar: bool = False,
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **ort_options: Any,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -341,25 +247,7 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
         )
         self._activation_checkpointing = activation_checkpointing
         self._reshard_after_forward = reshard_after_forward
-        self._ort = ORTCallback(
-            modules=modules,
-            save_onnx=save_onnx,
-            log_level=log_level,
-            onnx_prefix=onnx_prefix,
-            save_path=save_path,
-            profile=profile,
-            providers=providers,
-            optimization_level=optimization_level,
-            intra_op_num_threads=intra_op_num_threads,
-            allow_spinning=allow_spinning,
-            release_torch_threads=release_torch_threads,
-            fallback=fallback,
-            cache_dir=cache_dir,
-            dynamic=dynamic,
-            blocks=blocks,
-            log_metrics=log_metrics,
-            prog_bar=prog_bar,
-        )
+        self._ort = ORTCallback(**ort_options)
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -411,10 +299,12 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
         for path, network in networks.items():
             if isinstance(network, FSDPModule):
                 continue
-            blocks = mark_blocks(network.module, network.blocks, checkpoint=self._activation_checkpointing)
-            for block in blocks:
-                fully_shard(block, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
-            fully_shard(network, mesh=mesh, reshard_after_forward=self._reshard_after_forward)
+            blocks = shard_network(
+                network,
+                mesh,
+                activation_checkpointing=self._activation_checkpointing,
+                reshard_after_forward=self._reshard_after_forward,
+            )
             rank_zero_info(
                 f"ort_fsdp: `{path}` sharded over {mesh.size()} ranks as {len(blocks)} block(s) of "
                 f"{', '.join(cls.__name__ for cls in network.blocks) or 'no repeated class'} and the rest"
@@ -430,6 +320,35 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
 
 
 _SKIPPED_HOOKS = r"lightning_ort: TorchDynamo split the forward of .* at a graph break: Attempted to call function"
+
+
+def shard_network(
+    network: ORTModule,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+) -> list[nn.Module]:
+    """``fully_shard`` each block of ``network`` over ``mesh``, then ``network`` itself; returns the blocks.
+
+    The blocks are the instances of ``network.blocks``, each made a block graph first (so that one ONNX Runtime
+    graph serves every block) or, with ``activation_checkpointing``, a checkpointed block.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> store = dist.HashStore()
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> network = ORTModule(nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2))), blocks="auto")
+        >>> len(shard_network(network, init_device_mesh("cpu", (1,))))
+        2
+        >>> dist.destroy_process_group()
+    """
+    blocks = mark_blocks(network.module, network.blocks, checkpoint=activation_checkpointing)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(network, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return blocks
 
 
 def register_strategies() -> None:

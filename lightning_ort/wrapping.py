@@ -6,100 +6,15 @@ Shared by :class:`~lightning_ort.ORTDDPStrategy`, :class:`~lightning_ort.ORTSing
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from torch import nn
 from torch.nn.modules.loss import _Loss
 from torchmetrics import Metric
 
+from lightning_ort.config import ORTConfig
 from lightning_ort.engine.blocks import resolve_blocks
 from lightning_ort.module import ORTModule
-from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, parse_fallback
-
-
-@dataclass(frozen=True)
-class WrapConfig:
-    """What to wrap and how: the arguments the strategies and the callback share.
-
-    Args:
-        modules: attribute paths of the LightningModule to wrap (``"encoder"``, ``"model.backbone"``);
-            ``None`` wraps every direct child with trainable parameters that is not a torchmetrics ``Metric``
-            or a loss module.
-        debug_options: passed to every ORTModule.
-        session_settings: passed to every ORTModule.
-        fallback: passed to every ORTModule.
-        cache_dir: passed to every ORTModule (one folder serves them all: keys differ by graph).
-        dynamic: passed to every ORTModule.
-        blocks: block graphs (see :class:`~lightning_ort.ORTModule`): ``"auto"`` (default) finds the blocks
-            repeated within each wrapped submodule; class names apply to the submodules that hold them.
-
-    Example:
-        >>> config = WrapConfig.from_arguments(modules=["net"], log_level="INFO")
-        >>> config.debug_options.log_level
-        <LogLevel.INFO: 'INFO'>
-    """
-
-    modules: tuple[str, ...] | None = None
-    debug_options: DebugOptions = field(default_factory=DebugOptions)
-    session_settings: SessionSettings = field(default_factory=SessionSettings)
-    fallback: Fallback = "auto"
-    cache_dir: str | os.PathLike[str] | None = None
-    dynamic: bool | None = None
-    blocks: tuple[str, ...] | str | None = "auto"
-
-    @classmethod
-    def from_arguments(
-        cls,
-        modules: Sequence[str] | None = None,
-        save_onnx: bool = False,
-        log_level: LogLevel | str = LogLevel.WARNING,
-        onnx_prefix: str = "",
-        save_path: str | os.PathLike[str] | None = None,
-        profile: bool = False,
-        providers: Sequence[str] | None = None,
-        optimization_level: str = "all",
-        intra_op_num_threads: int = 0,
-        allow_spinning: bool = True,
-        release_torch_threads: bool = True,
-        fallback: Fallback = "auto",
-        cache_dir: str | os.PathLike[str] | None = None,
-        dynamic: bool | None = None,
-        blocks: Sequence[str] | str | None = "auto",
-    ) -> WrapConfig:
-        """Validate the user-facing arguments (an unwritable ``save_path`` fails here, before training)."""
-        if isinstance(modules, str):
-            modules = [modules]
-        debug = DebugOptions(
-            save_onnx=save_onnx,
-            log_level=log_level,  # type: ignore[arg-type]
-            onnx_prefix=onnx_prefix,
-            save_path=save_path if save_path is not None else os.getcwd(),
-            profile=profile,
-        )
-        settings = SessionSettings(
-            providers=tuple(providers) if providers else None,
-            optimization_level=optimization_level,
-            intra_op_num_threads=intra_op_num_threads,
-            allow_spinning=allow_spinning,
-            release_torch_threads=release_torch_threads,
-        )
-        return cls(
-            tuple(modules) if modules is not None else None,
-            debug,
-            settings,
-            parse_fallback(fallback),
-            cache_dir,
-            dynamic,
-            blocks if blocks is None or blocks == "auto" else _names(blocks),
-        )
-
-    def debug_options_for(self, path: str) -> DebugOptions:
-        """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""
-        prefix = f"{self.debug_options.onnx_prefix}_{path}" if self.debug_options.onnx_prefix else path
-        return dataclasses.replace(self.debug_options, onnx_prefix=prefix)
 
 
 def default_module_names(root: nn.Module) -> list[str]:
@@ -111,7 +26,7 @@ def default_module_names(root: nn.Module) -> list[str]:
     ]
 
 
-def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = False) -> dict[str, ORTModule]:
+def wrap_submodules(root: nn.Module, config: ORTConfig, missing_ok: bool = False) -> dict[str, ORTModule]:
     """Replace the configured submodules of ``root`` by ORTModules; return every ORTModule under ``root``.
 
     All names are resolved before anything is replaced, so a bad name leaves ``root`` unchanged.
@@ -148,13 +63,7 @@ def wrap_submodules(root: nn.Module, config: WrapConfig, missing_ok: bool = Fals
     return wrapped_submodules(root)
 
 
-def _names(blocks: Sequence[str] | str) -> tuple[str, ...]:
-    return (blocks,) if isinstance(blocks, str) else tuple(blocks)
-
-
-def _blocks_per_target(
-    modules: Sequence[nn.Module], blocks: tuple[str, ...] | str | None
-) -> list[list[type[nn.Module]]]:
+def _blocks_per_target(modules: Sequence[nn.Module], blocks: Sequence[str] | str | None) -> list[list[type[nn.Module]]]:
     """The block classes of each module; a named class no module holds is an error listing the repeated ones."""
     if blocks is None or blocks == "auto":
         return [resolve_blocks(module, blocks) for module in modules]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ort import bench
+from lightning_ort import bench, bench_workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_cold_inductor_cache_is_an_empty_folder_removed_afterwards(
 
 
 def test_matmul_flops_of_the_mlp_step() -> None:
-    workload = bench.mlp_workload(torch.device("cpu"))
+    workload = bench_workloads.mlp_workload(torch.device("cpu"))
     forward = 2 * 256 * (512 * 2048 + 2048 * 2048 + 2048 * 10)
     # backward: weight gradients of all three layers, input gradients of the last two (the input needs none)
     backward = 2 * 256 * (512 * 2048 + 2 * 2048 * 2048 + 2 * 2048 * 10)
@@ -81,7 +81,7 @@ def test_matmul_flops_of_the_mlp_step() -> None:
 
 def test_module_spec_errors_name_the_expected_form() -> None:
     with pytest.raises(ValueError, match=r"package\.module:factory"):
-        bench.load_factory("no_colon_here")
+        bench_workloads.load_factory("no_colon_here")
 
 
 def test_report_marks_an_ort_row_that_ran_in_pytorch() -> None:
@@ -156,3 +156,21 @@ def test_depth_study_times_first_steps_in_fresh_processes(tmp_path: Path) -> Non
     assert set(depth["step_ms"]) == {"eager", "ort_blocks", "ort"}
     assert depth["onnx_exports"]["ort_blocks"] > depth["onnx_exports"]["ort"] > 0, "partitions and block graphs"
     assert "blocks/whole" in result.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_study_shards_parameters_and_optimizer_state_over_the_ranks(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "fsdp.json"
+    args = ["--fsdp", "2", "--fsdp-layers", "2", "--depth-width", "32", "--steps", "1", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    fsdp = json.loads(out.read_text())["fsdp"]
+    assert fsdp["ranks"] == 2 and set(fsdp["step_ms"]) == {"ddp", "fsdp", "ort_fsdp"}
+    for memory in (fsdp["parameter_mib"], fsdp["optimizer_mib"]):
+        assert memory["ort_fsdp"] == pytest.approx(memory["ddp"] / 2, rel=0.01)
+        assert memory["ort_fsdp"] == pytest.approx(memory["fsdp"])
+    assert fsdp["ort_runs"] > 0
+    assert "vs fsdp" in result.stdout

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +28,10 @@ from lightning_ort.engine.capture import (
     BuildLog,
     BuildOptions,
     CapturedGraph,
-    CaptureError,
-    FallbackWarning,
     GraphRunner,
 )
 from lightning_ort.engine.disk_cache import DiskCache
-from lightning_ort.engine.export import first_line
+from lightning_ort.errors import CaptureError, FallbackWarning, first_line, warn
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
 
 log = logging.getLogger(__name__)
@@ -306,7 +303,7 @@ class DynamoEvents:
             raise error.inner_exception from None
         if isinstance(error, (Unsupported, UserError)) and self._fallback == "raise":
             raise CaptureError(
-                f"{self._owner}: TorchDynamo cannot capture its forward as one graph at {_user_frame(error)}: "
+                f"{self._owner}: TorchDynamo cannot capture its forward as one graph at {user_frame(error)}: "
                 f"{first_line(getattr(error, 'msg', error))}. Express the branch with tensor ops "
                 "(torch.where, masking), move that code outside the wrapped module, or pass fallback='auto' to "
                 "run it in PyTorch between ONNX Runtime graphs."
@@ -314,29 +311,27 @@ class DynamoEvents:
         if not self.compiled:
             return
         for message in PENDING_WARNINGS.messages:
-            warnings.warn(message, FallbackWarning, stacklevel=5)
+            warn(message, FallbackWarning)
         PENDING_WARNINGS.messages.clear()
         for reason, count in counters["graph_break"].items():
             new = count - self._breaks.get(reason, 0)
             if new > 0:
                 self._log.graph_breaks += new
-                warnings.warn(
+                warn(
                     f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
                     f"{first_line(reason)}. That code runs in PyTorch; the graphs on both sides run in ONNX "
                     "Runtime. Run with TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this "
                     "an error.",
                     FallbackWarning,
-                    stacklevel=5,
                 )
         for limit, value, function, reason in _LIMIT_HITS:
             self._log.recompile_limit_hits += 1
-            warnings.warn(
+            warn(
                 f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
                 f"torch._dynamo.config.{limit} ({value}) recompiling it, last because {reason}. A value that "
                 "changes every step (a Python float or int argument, a shape with dynamic=False) causes this: pass "
                 "it as a tensor, construct the module with dynamic=True, or raise the limit.",
                 FallbackWarning,
-                stacklevel=5,
             )
         _LIMIT_HITS.clear()
 
@@ -359,7 +354,7 @@ _LIMIT_FILTER = _RecompileLimitFilter()
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)
 
 
-def _user_frame(error: BaseException) -> str:
+def user_frame(error: BaseException) -> str:
     """``file:line (`code`)`` of the model code TorchDynamo stopped at."""
     stack = getattr(error, "real_stack", None)
     if not stack:

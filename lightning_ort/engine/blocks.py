@@ -22,6 +22,8 @@ import torch.fx
 import torch.utils.checkpoint
 from torch import nn
 
+from lightning_ort.errors import BlockError
+
 log = logging.getLogger(__name__)
 
 BlockSpec = str | type[nn.Module]
@@ -30,10 +32,6 @@ BlockSpec = str | type[nn.Module]
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 _MARK = "_lightning_ort_block_forward"
 """Instance attribute set on every marked block: its wrapped ``forward``, to recognize and remove it."""
-
-
-class BlockError(ValueError):
-    """``blocks=`` names a class the model does not hold, or a block cannot be marked."""
 
 
 def repeated_classes(model: nn.Module) -> dict[type[nn.Module], int]:
@@ -174,15 +172,39 @@ def _checkpointed_block_forward(forward: Callable[..., Any], module: nn.Module, 
 
 def unmark_blocks(model: nn.Module) -> None:
     """Give every block :func:`mark_blocks` marked in ``model`` its class's ``forward`` back."""
-    for module in model.modules():
-        mark = module.__dict__.pop(_MARK, None)
-        if mark is not None and module.__dict__.get("forward") is mark:
-            del module.__dict__["forward"]
+    for cls in {type(module) for module in marked_blocks(model)}:
+        unmark_class(model, cls)
 
 
 def marked_blocks(model: nn.Module) -> list[nn.Module]:
     """The instances of ``model`` that :func:`mark_blocks` marked."""
     return [module for module in model.modules() if _MARK in module.__dict__]
+
+
+def uncaptured_block(error: BaseException, classes: Sequence[type[nn.Module]]) -> type[nn.Module] | None:
+    """The block class whose ``forward`` TorchDynamo could not capture whole, from ``error``'s user stack.
+
+    A graph break inside a nested compile region is an error (``UncapturedHigherOrderOpError``) whose
+    ``real_stack`` runs through the block's ``forward``; ``None`` if no frame of it is a class of ``classes``.
+    """
+    for frame in getattr(error, "real_stack", None) or ():
+        for cls in classes:
+            code = getattr(cls.forward, "__code__", None)
+            if code is None or frame.filename != code.co_filename or frame.name != code.co_name:
+                continue
+            lines = [line for _, _, line in code.co_lines() if line is not None]
+            if frame.lineno is not None and code.co_firstlineno <= frame.lineno <= max(lines, default=0):
+                return cls
+    return None
+
+
+def unmark_class(model: nn.Module, cls: type[nn.Module]) -> None:
+    """Give the marked instances of ``cls`` in ``model`` their class's ``forward`` back."""
+    for module in model.modules():
+        if isinstance(module, cls) and _MARK in module.__dict__:
+            mark = module.__dict__.pop(_MARK)
+            if module.__dict__.get("forward") is mark:
+                del module.__dict__["forward"]
 
 
 def _outermost(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> Iterator[nn.Module]:

@@ -3,8 +3,8 @@
 TorchDynamo hands each graph it traces (a ``torch``-level FX graph and fake example inputs, parameters
 lifted as inputs) to :class:`~lightning_ort.engine.backend.ORTBackend`, which builds a :class:`CapturedGraph`.
 That swaps a few ``torch.nn.functional`` calls for forms that export well
-(:func:`~lightning_ort.engine.rewrites.substitute_functions`), then AOTAutograd traces the graph with fake
-tensors, decomposes it to core ATen, rewrites the joint graph (:mod:`lightning_ort.engine.rewrites`), partitions
+(:func:`~lightning_ort.engine.fx_passes.substitute_functions`), then AOTAutograd traces the graph with fake
+tensors, decomposes it to core ATen, rewrites the joint graph (:mod:`lightning_ort.engine.fx_passes`), partitions
 it with ``min_cut_rematerialization_partition`` and calls :meth:`CapturedGraph._compiler`'s function for each
 graph. Each graph becomes an ONNX model run by a :class:`~lightning_ort.engine.session.GraphSession` (or, with
 ops ONNX cannot express, a :class:`~lightning_ort.engine.partition.PartitionedGraph`). AOTAutograd's runtime
@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import operator
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,8 @@ from lightning_ort.engine.blocks import BlockCall, BlockGraphs, has_blocks, inli
 from lightning_ort.engine.decompositions import capture_decompositions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.dynamic import is_symbolic
-from lightning_ort.engine.export import ExportedGraph, ExportError, export_graph, first_line
+from lightning_ort.engine.export import ExportedGraph, export_graph
+from lightning_ort.engine.fx_passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.partition import (
     PartitionCall,
     PartitionedGraph,
@@ -41,9 +41,10 @@ from lightning_ort.engine.partition import (
     split_graph,
     unsupported_nodes,
 )
-from lightning_ort.engine.rewrites import move_saved_permutes, optimize_joint_graph, substitute_functions
-from lightning_ort.engine.session import GraphSession, SessionError, provider_names
-from lightning_ort.options import DebugOptions, Fallback, SessionSettings
+from lightning_ort.engine.replacements import substitute_functions
+from lightning_ort.engine.session import GraphSession, provider_names
+from lightning_ort.errors import CaptureError, ExportError, FallbackWarning, SessionError, first_line, warn
+from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
 
 if TYPE_CHECKING:
     from torch._functorch._aot_autograd.schemas import AOTDispatchCompiler
@@ -389,7 +390,7 @@ class CapturedGraph:
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, key: str | None
     ) -> ExportedGraph:
         """Export ``gm``; save it in the disk cache under ``key`` when there is one."""
-        verbose = self._options.debug.log_level.ort_severity == 0
+        verbose = LogLevel(self._options.debug.log_level).ort_severity == 0
         graph = export_graph(gm, example_inputs, name, verbose, saved_from=gm.meta.get(_SAVED_FROM))
         self._log.onnx_exports += 1
         if key is not None and self._options.disk_cache is not None:
@@ -458,14 +459,6 @@ def _graph_nodes(gm: torch.fx.GraphModule, err: ExportError | SessionError) -> l
     return [node for node in err.nodes if node in names]
 
 
-class CaptureError(RuntimeError):
-    """TorchDynamo could not capture the model as graphs ONNX Runtime runs, and ``fallback="raise"`` was asked for."""
-
-
-class FallbackWarning(UserWarning):
-    """Part of a model (some ops, code between graphs, or a whole graph) runs in PyTorch instead of ONNX Runtime."""
-
-
 def warn_fallback(message: str) -> None:
     """Warn that part of a model runs in PyTorch; while :data:`PENDING_WARNINGS` collects, only record it.
 
@@ -475,7 +468,7 @@ def warn_fallback(message: str) -> None:
     if PENDING_WARNINGS.collecting:
         PENDING_WARNINGS.messages.append(message)
     else:
-        warnings.warn(message, FallbackWarning, stacklevel=3)
+        warn(message, FallbackWarning)
 
 
 @dataclass
@@ -494,7 +487,7 @@ def _partition(
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     # No common-subexpression pass here: the ONNX translation (onnxscript's optimizer) and ONNX Runtime remove
     # duplicates themselves (the three benchmark workloads export node for node the same graphs), and
-    # functorch's pass imports torch._inductor's pattern matcher: 20-30 MiB resident and ~0.5 s of the first call.
+    # functorch's pass imports torch._inductor's pattern matcher, which costs memory and first-call time.
     with functorch_config.patch(cse=False):
         forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
     saved_from = kwargs["num_fwd_outputs"]

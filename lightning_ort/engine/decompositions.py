@@ -4,8 +4,8 @@ Core ATen decompositions, plus:
 
 * on CPU, training-mode batch norm as reductions for the batch statistics and ONNX ``BatchNormalization`` (inference
   form, given those statistics) for the normalisation, and its backward with that same per-channel affine node
-  (ONNX Runtime's training-mode ``BatchNormalization`` is no faster on CPU, 2.5 ms for a 64x32x32x32 batch
-  norm and ReLU either way, and does not give the centred input that the backward reuses);
+  (ONNX Runtime's training-mode ``BatchNormalization`` is no faster on CPU, and does not give the centred
+  input that the backward reuses);
 * ``aten.convolution_backward`` (no ONNX translation) as a convolution with the flipped kernel (stride 1) or a
   transposed convolution for the input gradient, an im2col matrix product for the weight gradient and a sum
   for the bias gradient;
@@ -16,11 +16,8 @@ Core ATen decompositions, plus:
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
 
-Before AOTAutograd traces a graph, :func:`lightning_ort.engine.rewrites.substitute_functions` replaces SDPA by
-:func:`attention`, its math path written with plain ops (the fused kernels' backward ops have no ONNX
-translation), ``F.multi_head_attention_forward`` by :func:`multi_head_attention`, and ``F.dropout`` by
-:func:`dropout`: the input times a one-byte keep mask drawn by one random op, :func:`dropout_keep` (which the
-export lifts out as an input drawn in PyTorch), scaled in the graph.
+Replacements of ``torch.nn.functional`` calls (attention, dropout) are in
+:mod:`lightning_ort.engine.replacements`.
 """
 
 from __future__ import annotations
@@ -83,9 +80,8 @@ def _input_grad(
 ) -> torch.Tensor:
     """Input gradient: a convolution with the flipped, transposed kernel where the stride is 1, else a transposed one.
 
-    ONNX Runtime's CPU ``Conv`` runs 1.2-1.7x faster than its ``ConvTranspose`` on the benchmark's 3x3 layers
-    (2-core CPU); the two are equal for stride 1 when the transposed padding ``dilation * (kernel - 1) - padding``
-    is not negative.
+    ONNX Runtime's CPU ``Conv`` is faster than its ``ConvTranspose`` on 3x3 layers; the two are equal for
+    stride 1 when the transposed padding ``dilation * (kernel - 1) - padding`` is not negative.
     """
     kernel = weight.shape[2:]
     spatial = len(kernel)
@@ -147,11 +143,10 @@ def _unfolded_weight_grad(
 
     The columns ``[batch, in_channels * kernel, out_positions]`` are one depthwise convolution of the input with
     one-hot kernels (one output channel per input channel and kernel offset), which applies the forward
-    padding, stride and dilation in one node; a 1x1 kernel without padding needs only a strided slice. On the
-    benchmark's 3x3 layers ONNX Runtime computes the gradient 1.6-2.6x faster this way than from stacked
-    slices of the padded input (2-core CPU). The columns are ``kernel`` times the input (9x for 3x3), so where
-    they would exceed :data:`COLUMN_BYTES` the batch is unfolded in parts and their products summed: the
-    benchmark's cnn held 72 MiB of columns at once for each 32-channel 32x32 layer.
+    padding, stride and dilation in one node; a 1x1 kernel without padding needs only a strided slice. ONNX
+    Runtime computes the gradient faster this way than from stacked slices of the padded input. The columns are
+    ``kernel`` times the input (9x for 3x3), so where they would exceed :data:`COLUMN_BYTES` the batch is
+    unfolded in parts and their products summed.
     """
     batch, channels = input.shape[0], input.shape[1]
     out_channels, kernel, out = weight.shape[0], weight.shape[2:], grad_output.shape[2:]
@@ -318,9 +313,8 @@ _ATEN_BATCH_NORM_FUNCTIONAL = get_decompositions([aten._native_batch_norm_legit_
 def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold: float) -> torch.Tensor:
     """ReLU's (and ``F.threshold``'s) gradient: ``grad_output`` times the 0/1 mask ``self > threshold``.
 
-    ATen's decomposition is ``where(self <= threshold, 0, grad_output)``; ONNX Runtime's CPU ``Where`` takes
-    2.0 ms on 2M elements standalone where a ``Mul`` takes 0.45 (inside the graph: ~4 ms per transformer
-    activation); the cnn benchmark's 15.2 ms of ``Where`` per step became 6 ms of ``Cast`` and ``Mul``.
+    ATen's decomposition is ``where(self <= threshold, 0, grad_output)``; ONNX Runtime's CPU ``Where`` is
+    several times slower than a ``Cast`` and a ``Mul``.
     The one difference: an infinite or NaN gradient where the input was at or below the threshold gives NaN
     here and 0 in PyTorch (and a negative gradient there gives ``-0.0``, not ``0.0``).
 
@@ -411,230 +405,6 @@ def embedding_bag_backward(
     return torch.zeros(num_weights, grad.shape[1], dtype=grad.dtype, device=grad.device).index_add(0, indices, rows)
 
 
-def attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` as PyTorch's math path computes it, with one difference in cost.
-
-    The math path always uses a "safe" softmax (rows whose scores are all ``-inf`` give zeros, not NaNs),
-    which costs a full-size select per attention. Without a mask, or with a causal one, no row can be fully
-    masked, so a plain softmax gives the same result; only an explicit mask gets the safe one.
-
-    Example:
-        >>> q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
-        >>> keep = torch.rand(2, 1, 5, 6) > 0.3
-        >>> expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        >>> torch.allclose(attention(q, k, v, attn_mask=keep), expected, atol=1e-6)
-        True
-    """
-    length, source = query.shape[-2], key.shape[-2]
-    factor = math.sqrt(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
-    if enable_gqa:
-        repeats = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
-    scores = (query * factor) @ (key.transpose(-2, -1) * factor)
-    if is_causal:
-        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        masked = attn_mask.dtype == torch.bool
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if masked else scores + attn_mask
-        weights = aten._safe_softmax(scores, -1)
-    else:
-        weights = torch.softmax(scores, -1)
-    if dropout_p > 0.0:
-        weights = dropout(weights, dropout_p)
-    return weights @ value
-
-
-@torch.library.custom_op("lightning_ort::dropout_keep", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def dropout_keep(like: torch.Tensor, p: float) -> torch.Tensor:
-    """Dropout's keep mask for ``like``: 1 with probability ``1 - p``, else 0, as ``uint8``.
-
-    One random op for the whole mask, so the partitioner saves the mask itself for the backward graph
-    (random ops are never recomputed) and the export lifts it as one input drawn in PyTorch (see
-    :class:`lightning_ort.engine.export.Noise`). One byte per element, as eager's boolean mask: a saved
-    float32 mask held 40 MiB more of the transformer benchmark's peak. ``uint8`` rather than ``bool``,
-    because ONNX Runtime scales it to floats in one ``DequantizeLinear`` node (1.3 ms for 2M elements, against
-    4.4 ms for a ``Where`` on a boolean mask and 2.7 ms for ``Cast`` and a product).
-
-    Example:
-        >>> keep = dropout_keep(torch.empty(10_000), 0.25)
-        >>> keep.dtype, sorted(keep.unique().tolist()), round(float(keep.float().mean()), 1)
-        (torch.uint8, [0, 1], 0.8)
-    """
-    return (torch.rand_like(like) > p).to(torch.uint8)
-
-
-@dropout_keep.register_fake
-def _dropout_keep_fake(like: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.empty_like(like, dtype=torch.uint8)
-
-
-DROPOUT_KEEP = torch.ops.lightning_ort.dropout_keep.default
-"""The op :func:`dropout_keep` records in captured graphs (lifted out of them by the export)."""
-
-_EAGER_DROPOUT = torch.nn.functional.dropout
-
-
-def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    """``F.dropout`` as ``input * (dropout_keep(input, p) * (1 / (1 - p)))``: the same distribution, a cheaper
-    graph.
-
-    The mask's gradient is not needed (it is random), so the backward graph scales the saved one-byte mask and
-    multiplies. For 16-bit inputs the scaled mask is float32 and the product is rounded once, as eager's
-    dropout does: a 16-bit ``1 / (1 - p)`` would scale every kept element with the same rounding error
-    (-0.16% in bfloat16 for ``p=0.1``). ``p`` of 0 or 1, or outside training, is left to PyTorch's own
-    ``F.dropout``.
-
-    Example:
-        >>> x = torch.randn(1000, requires_grad=True)
-        >>> y = dropout(x, 0.5)
-        >>> y.sum().backward()
-        >>> torch.equal(x.grad, (y != 0).float() * 2)
-        True
-    """
-    if not training or p <= 0.0 or p >= 1.0:
-        return _EAGER_DROPOUT(input, p, training, inplace)
-    scaled = dropout_keep(input.detach(), p).to(input.dtype if input.element_size() >= 4 else torch.float32)
-    scaled = scaled * (1.0 / (1.0 - p))
-    if inplace:
-        return input.mul_(scaled)
-    return (input * scaled).to(input.dtype)
-
-
-_EAGER_MULTI_HEAD_ATTENTION = torch.nn.functional.multi_head_attention_forward
-
-
-def multi_head_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    embed_dim_to_check: int,
-    num_heads: int,
-    in_proj_weight: torch.Tensor | None,
-    in_proj_bias: torch.Tensor | None,
-    bias_k: torch.Tensor | None,
-    bias_v: torch.Tensor | None,
-    add_zero_attn: bool,
-    dropout_p: float,
-    out_proj_weight: torch.Tensor,
-    out_proj_bias: torch.Tensor | None,
-    training: bool = True,
-    key_padding_mask: torch.Tensor | None = None,
-    need_weights: bool = True,
-    attn_mask: torch.Tensor | None = None,
-    use_separate_proj_weight: bool = False,
-    q_proj_weight: torch.Tensor | None = None,
-    k_proj_weight: torch.Tensor | None = None,
-    v_proj_weight: torch.Tensor | None = None,
-    static_k: torch.Tensor | None = None,
-    static_v: torch.Tensor | None = None,
-    average_attn_weights: bool = True,
-    is_causal: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``F.multi_head_attention_forward`` for self-attention, with the heads split in the batch-first layout.
-
-    PyTorch's implementation splits heads with views of the sequence-first layout that eager gets for free but
-    ONNX materialises (about 7 transposes per layer forward, as many backward). For self-attention without
-    attention weights (what ``nn.TransformerEncoderLayer`` asks for) this computes the same products and masks
-    with two: one to split q, k, v and heads, one to merge heads; ``nn.MultiheadAttention``'s own batch-first
-    transposes around the call cancel in ONNX Runtime. Every other configuration runs PyTorch's own function.
-
-    Example:
-        >>> mha = torch.nn.MultiheadAttention(8, 2)
-        >>> x, padding = torch.randn(5, 3, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 5])
-        >>> expected, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
-        >>> actual, _ = multi_head_attention(
-        ...     x, x, x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
-        ...     mha.out_proj.weight, mha.out_proj.bias, key_padding_mask=padding, need_weights=False)
-        >>> torch.allclose(actual, expected, atol=1e-6)
-        True
-    """
-    supported = (
-        query is key
-        and key is value
-        and query.dim() == 3
-        and not need_weights
-        and not use_separate_proj_weight
-        and bias_k is None
-        and static_k is None
-        and not add_zero_attn
-        and not (is_causal and attn_mask is None)
-    )
-    if not supported or in_proj_weight is None:
-        return _EAGER_MULTI_HEAD_ATTENTION(
-            query,
-            key,
-            value,
-            embed_dim_to_check,
-            num_heads,
-            in_proj_weight,
-            in_proj_bias,
-            bias_k,
-            bias_v,
-            add_zero_attn,
-            dropout_p,
-            out_proj_weight,
-            out_proj_bias,
-            training=training,
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            use_separate_proj_weight=use_separate_proj_weight,
-            q_proj_weight=q_proj_weight,
-            k_proj_weight=k_proj_weight,
-            v_proj_weight=v_proj_weight,
-            static_k=static_k,
-            static_v=static_v,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
-    functional = torch.nn.functional
-    key_padding_mask = functional._canonical_mask(
-        mask=key_padding_mask,
-        mask_name="key_padding_mask",
-        other_type=functional._none_or_dtype(attn_mask),
-        other_name="attn_mask",
-        target_type=query.dtype,
-    )
-    attn_mask = functional._canonical_mask(
-        mask=attn_mask,
-        mask_name="attn_mask",
-        other_type=None,
-        other_name="",
-        target_type=query.dtype,
-        check_other=False,
-    )
-    inputs = query.transpose(0, 1)
-    batch, length, width = inputs.shape
-    heads = num_heads
-    mask = None
-    causal = is_causal and key_padding_mask is None
-    if not causal:
-        if attn_mask is not None:
-            mask = (
-                attn_mask.view(1, 1, length, length)
-                if attn_mask.dim() == 2
-                else attn_mask.view(batch, heads, length, length)
-            )
-        if key_padding_mask is not None:
-            padding = key_padding_mask.view(batch, 1, 1, length)
-            mask = padding if mask is None else mask + padding
-    projected = functional.linear(inputs, in_proj_weight, in_proj_bias)
-    q, k, v = projected.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
-    attended = attention(q, k, v, mask, dropout_p if training else 0.0, causal)
-    merged = attended.transpose(1, 2).reshape(batch, length, width)
-    return functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
-
-
 def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten.copy``: ``src`` broadcast to ``self``'s shape, in ``self``'s dtype.
 
@@ -717,11 +487,11 @@ def log_ndtr(x: torch.Tensor) -> torch.Tensor:
 def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
 
-    ``select_backward`` stays whole so that :mod:`lightning_ort.engine.rewrites` can turn sums of them into
+    ``select_backward`` stays whole so that :mod:`lightning_ort.engine.fx_passes` can turn sums of them into
     one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` replaces ATen's
     exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel is not slower than a ``Mul``. The batch
-    norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`) are CPU only too: they were measured
-    on CPU only, and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below 1e-5 to 1e-5.
+    norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`) are CPU only too: they pay on CPU,
+    and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below 1e-5 to 1e-5.
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)

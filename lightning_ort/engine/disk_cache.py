@@ -16,7 +16,6 @@ import logging
 import os
 import struct
 import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,26 +26,17 @@ import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.export import (
-    ExportedGraph,
-    Noise,
-    OutputLayout,
-    OutputSpec,
-    PassedInput,
-    ReshapedOutput,
-    Size,
-    Source,
-)
+from lightning_ort.engine.dynamic import Size
+from lightning_ort.engine.export import ExportedGraph
+from lightning_ort.engine.layout import OutputLayout, OutputSpec, PassedInput, ReshapedOutput, Source
+from lightning_ort.engine.noise import Noise
+from lightning_ort.errors import DiskCacheWarning, warn
 from lightning_ort.options import unwritable_reason
 
 log = logging.getLogger(__name__)
 
 _MAGIC = b"LORTGRF1"
 _SUFFIX = ".ortgraph"
-
-
-class DiskCacheWarning(UserWarning):
-    """The on-disk graph cache could not be used for one graph; training goes on without it."""
 
 
 class DiskCache:
@@ -145,7 +135,7 @@ class DiskCache:
         self._warn(f"{reason}; continuing without the on-disk graph cache. Pass a writable folder as cache_dir.")
 
     def _warn(self, message: str) -> None:
-        warnings.warn(f"lightning_ort: {message}", DiskCacheWarning, stacklevel=3)
+        warn(f"lightning_ort: {message}", DiskCacheWarning)
 
 
 def _versions() -> tuple[str, ...]:

@@ -7,8 +7,17 @@ shapes of its lifted random inputs from these expressions, evaluated on each cal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeAlias
+
 import sympy
 import torch
+
+Size: TypeAlias = int | sympy.Expr
+"""A tensor size: an ``int``, or an expression of input-size symbols in a graph with dynamic shapes."""
+
+Symbols: TypeAlias = dict[sympy.Symbol, tuple[int, int]]
+"""Where each size symbol is read at run time: ``(ONNX input index, dimension)``."""
 
 
 def symbolic_size(size: int | torch.SymInt) -> sympy.Expr | int:
@@ -36,3 +45,8 @@ def evaluate(size: sympy.Expr | int, env: dict[sympy.Symbol, int]) -> int:
     if isinstance(size, int):
         return size
     return int(size.xreplace(env))
+
+
+def symbolic_shape(shape: Sequence[int | torch.SymInt]) -> tuple[Size, ...]:
+    """A shape as sizes: ``int`` where static, sympy expressions where symbolic."""
+    return tuple(symbolic_size(size) for size in shape)

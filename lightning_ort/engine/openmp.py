@@ -3,12 +3,11 @@
 After each parallel PyTorch operator, its OpenMP worker threads busy-wait for the next one: GNU libgomp for
 about 300,000 spins (milliseconds), Intel's and LLVM's runtimes for ``KMP_BLOCKTIME`` (200 ms by default). A
 training step alternates PyTorch (loss, autograd, optimizer) and ONNX Runtime, so an ONNX Runtime run starts
-while those threads still spin, and its own threads share their cores with threads that do no work: on the
-2-core benchmark machine the mlp's 2048x2048 products ran at 210-260 GFLOP/s in the graph instead of about 330
-standalone, and releasing the threads first made its step 2-11% shorter (five same-process comparisons).
+while those threads still spin, and its own threads share their cores with threads that do no work, so its
+matrix products run well below their standalone rate on a machine with few cores.
 
 :func:`release_openmp_threads` calls the OpenMP 5.0 ``omp_pause_resource_all(omp_pause_soft)``: libgomp ends
-the calling thread's worker threads (the next parallel PyTorch operator starts them again, about 0.3 ms),
+the calling thread's worker threads (the next parallel PyTorch operator starts them again),
 Intel's and LLVM's runtimes put them to sleep. ``GOMP_SPINCOUNT`` / ``KMP_BLOCKTIME`` would do the same for
 the whole process but only take effect when set before PyTorch is imported.
 """

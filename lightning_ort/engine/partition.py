@@ -23,9 +23,10 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lightning_ort.engine.blocks import BlockCall
-from lightning_ort.engine.decompositions import DROPOUT_KEEP
-from lightning_ort.engine.export import copy_graph_module, node_origin, quiet_exporter
+from lightning_ort.engine.export import copy_graph_module, quiet_exporter
+from lightning_ort.engine.replacements import DROPOUT_KEEP
 from lightning_ort.engine.session import GraphSession
+from lightning_ort.errors import node_origin
 
 aten = torch.ops.aten
 

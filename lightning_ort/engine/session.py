@@ -6,9 +6,8 @@ written into ONNX Runtime's arena and handed to PyTorch through DLPack. Nothing 
 
 The binding goes through ONNX Runtime's pybind11 layer (``onnxruntime.capi._pybind_state``), the one its own
 ``IOBinding`` and ``InferenceSession`` wrap: the wrappers build an ``OrtDevice`` for every bound tensor and a
-DLPack exchange per output (ORTModule of onnxruntime-training used the same layer). A graph of 10 additions of
-8x64 tensors (10 inputs, 10 outputs) ran in 197-339 us through the wrappers and 50-89 us so (five alternating
-measurements in one process on a busy 2-core machine).
+DLPack exchange per output, a cost that dominates small graphs (ORTModule of onnxruntime-training used the
+same layer). See the performance page for the per-call cost.
 """
 
 from __future__ import annotations
@@ -28,35 +27,21 @@ import torch
 from onnxruntime.capi import _pybind_state as ort_c
 
 from lightning_ort.engine.dynamic import evaluate
-from lightning_ort.engine.export import ExportedGraph, OutputSpec, save_model
-from lightning_ort.engine.onnx_rewrites import DISABLED_ORT_OPTIMIZERS
+from lightning_ort.engine.export import ExportedGraph, save_model
+from lightning_ort.engine.layout import OutputSpec
+from lightning_ort.engine.onnx_passes import DISABLED_ORT_OPTIMIZERS
 from lightning_ort.engine.openmp import release_openmp_threads
-from lightning_ort.options import DebugOptions, SessionSettings
+from lightning_ort.errors import SessionError
+from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
 
 log = logging.getLogger(__name__)
 
 RELEASE_MIN_RUN_S = 1e-3
 """A graph whose last run took less than this (seconds) runs without releasing PyTorch's OpenMP threads first.
 
-Releasing ends the threads, and PyTorch's next parallel operator starts them again: ~0.3 ms per run on the 2-core
-benchmark machine, more than a sub-millisecond run loses to threads still spinning beside it (a 64-wide
-6-layer model's step: 1743 us releasing before every run, 1425 us with this limit, 1358 us never; the mlp
-benchmark's 2048-wide step: 91.7, 90.5 and 104.3 ms). A graph's first run always releases.
+Releasing ends the threads, and PyTorch's next parallel operator starts them again, which costs more than a
+sub-millisecond run loses to threads still spinning beside it. A graph's first run always releases.
 """
-
-
-class SessionError(RuntimeError):
-    """ONNX Runtime could not load an exported graph (typically: no kernel for an op/dtype on the provider), or
-    failed while running one.
-
-    Args:
-        message: what failed and what to do.
-        nodes: names of the captured graph's nodes the failure names (ONNX nodes are named after them).
-    """
-
-    def __init__(self, message: str, nodes: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.nodes = tuple(nodes)
 
 
 _ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
@@ -83,13 +68,16 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
         }
         names = list(settings.providers) if settings.providers else ["CUDAExecutionProvider", "CPUExecutionProvider"]
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise RuntimeError(
+            raise SessionError(
                 "The model's tensors are on CUDA but this onnxruntime has no CUDAExecutionProvider; "
                 "install onnxruntime-gpu (and not the CPU-only onnxruntime beside it)."
             )
         return [(name, options) if name == "CUDAExecutionProvider" else name for name in names]
     if device.type != "cpu":
-        raise RuntimeError(f"ORTModule runs on CPU and CUDA tensors, got tensors on {device}.")
+        raise SessionError(
+            f"ORTModule runs on CPU and CUDA tensors, got tensors on {device}: move the model and its inputs to "
+            "the CPU or a CUDA device."
+        )
     return list(settings.providers) if settings.providers else ["CPUExecutionProvider"]
 
 
@@ -163,7 +151,7 @@ class GraphSession:
             # other graphs' blocks; without it the shared arena reuses freed space across the forward and
             # backward graphs: transformer benchmark 923 -> 729 MiB resident, step time within 1%.
             options.enable_mem_pattern = False
-        options.log_severity_level = debug.log_level.ort_severity
+        options.log_severity_level = LogLevel(debug.log_level).ort_severity
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))
             options.optimized_model_filepath = str(debug.onnx_file(f"{graph.name}_optimized"))
@@ -269,11 +257,10 @@ class GraphSession:
         """Bind the outputs: to new PyTorch tensors (returned) on CUDA; to ONNX Runtime's arena on CPU (``None``:
         the run's outputs are handed to PyTorch afterwards through DLPack, still without a copy).
 
-        On CPU, outputs written into fresh PyTorch (``malloc``) memory made some kernels several times slower: the
-        benchmark's 64x32x32x32 convolutions took 23.5 ms instead of 8.5 ms when their outputs were bound to
-        PyTorch tensors, and the mlp's backward run 28-30 ms instead of 25. The arena also reuses the space of
-        freed outputs across runs (transformer peak 635 -> 593 MiB). CUDA keeps PyTorch's caching allocator,
-        whose stream-ordered reuse the outputs' consumers rely on.
+        On CPU, outputs written into fresh PyTorch (``malloc``) memory made some kernels (convolutions, large
+        backward products) several times slower, and the arena reuses the space of freed outputs across runs,
+        which lowers the peak. CUDA keeps PyTorch's caching allocator, whose stream-ordered reuse the outputs'
+        consumers rely on.
         """
         if self._device.type == "cpu":
             cpu = _ort_device(self._device)

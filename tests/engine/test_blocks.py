@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from lightning_ort import ORTModule
-from lightning_ort.engine.blocks import BlockError, marked_blocks, repeated_classes, resolve_blocks
+from lightning_ort import BlockError, FallbackWarning, ORTModule
+from lightning_ort.engine.blocks import marked_blocks, repeated_classes, resolve_blocks
 from tests.helpers import assert_grads_close, assert_outputs_close, weighted_loss
 
 
@@ -103,6 +103,64 @@ def test_blocks_that_update_buffers_are_inlined_into_one_graph(caplog: pytest.Lo
     torch.testing.assert_close(blocked.state_dict(), eager.state_dict())
     stats = blocked.statistics
     assert stats.block_graphs == 0 and stats.eager_signatures == 0 and stats.backward_runs == 1
+
+
+class BreakingBlock(Block):
+    """A block whose forward prints: a graph break TorchDynamo cannot keep inside a block graph."""
+
+    @override
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x, mask)
+
+
+def _breaking_model() -> Deep:
+    torch.manual_seed(0)
+    model = Deep(depth=3)
+    model.layers = nn.ModuleList(BreakingBlock(16) for _ in range(3))
+    return model
+
+
+def test_a_block_with_a_graph_break_is_captured_with_the_model_and_named() -> None:
+    eager = _breaking_model()
+    wrapped = ORTModule(copy.deepcopy(eager), blocks="auto")
+    assert wrapped.blocks == (BreakingBlock,)
+    with pytest.warns(
+        FallbackWarning, match=r"block BreakingBlock \(`layers.0`\) is captured with the model's"
+    ) as record:
+        weighted_loss(wrapped(*_batch())).backward()
+    assert "test_blocks.py" in record[0].filename
+    weighted_loss(eager(*_batch())).backward()
+    assert_grads_close(wrapped, eager)
+    assert wrapped.blocks == () and not marked_blocks(wrapped.module)
+    stats = wrapped.statistics
+    assert stats.block_graphs == 0 and stats.forward_runs > 0 and stats.backward_runs > 0
+
+
+def test_a_block_with_a_graph_break_is_an_error_under_fallback_raise() -> None:
+    wrapped = ORTModule(_breaking_model(), blocks="auto", fallback="raise")
+    with pytest.raises(BlockError, match=r"BreakingBlock \(`layers.0`\) cannot be captured.*graph_break\(\)"):
+        wrapped(*_batch())
+
+
+def test_an_fsdp_sharded_block_with_a_graph_break_fails_at_the_first_forward(tmp_path: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        wrapped = ORTModule(_breaking_model(), blocks="auto")
+        mesh = init_device_mesh("cpu", (1,))
+        for block in marked_blocks(wrapped.module):
+            fully_shard(block, mesh=mesh)
+        fully_shard(wrapped, mesh=mesh)
+        with pytest.raises(BlockError, match=r"BreakingBlock \(`layers.0`\) cannot be captured as one graph"):
+            wrapped(*_batch())
+        assert wrapped.blocks == (BreakingBlock,) and len(marked_blocks(wrapped.module)) == 3
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_block_graphs_run_no_matrix_product_in_pytorch() -> None:

@@ -17,10 +17,9 @@ from lightning_ort.engine.decompositions import (
     batch_norm_functional,
     capture_decompositions,
     convolution_backward,
-    dropout,
-    multi_head_attention,
     threshold_backward,
 )
+from lightning_ort.engine.replacements import dropout, multi_head_attention
 
 aten = torch.ops.aten
 

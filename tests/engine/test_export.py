@@ -8,7 +8,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_ort.engine.decompositions import capture_decompositions
-from lightning_ort.engine.export import Noise, export_graph
+from lightning_ort.engine.export import export_graph
+from lightning_ort.engine.noise import Noise
 
 CPU = torch.device("cpu")
 

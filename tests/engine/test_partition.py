@@ -10,7 +10,7 @@ import torch
 
 import lightning_ort.engine.capture as capture_module
 from lightning_ort import CaptureError, ExportError, FallbackWarning, ORTModule
-from lightning_ort.engine.session import SessionError
+from lightning_ort.errors import SessionError
 from tests.custom_ops import CustomOpMLP, DataDependentBranch
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE, assert_grads_close
 from tests.zoo import MLP

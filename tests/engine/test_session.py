@@ -13,7 +13,9 @@ import torch
 import lightning_ort.engine.session as session_module
 from lightning_ort import ORTModule, SessionSettings
 from lightning_ort.engine.dynamic import evaluate
-from lightning_ort.engine.export import ExportedGraph, Noise, OutputLayout, PassedInput, ReshapedOutput
+from lightning_ort.engine.export import ExportedGraph
+from lightning_ort.engine.layout import OutputLayout, PassedInput, ReshapedOutput
+from lightning_ort.engine.noise import Noise
 from tests.zoo import MLP
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from lightning_ort import ORTCallback, ORTDDPStrategy, ORTModule, ORTSingleDeviceStrategy
-from lightning_ort.wrapping import WrapConfig, default_module_names, wrap_submodules
+from lightning_ort import ORTCallback, ORTDDPStrategy, ORTFSDPStrategy, ORTModule, ORTSingleDeviceStrategy
+from lightning_ort.config import ORTConfig
+from lightning_ort.wrapping import default_module_names, wrap_submodules
 from tests.lightning.models import TinyTransformerLM
 
 
@@ -22,8 +23,8 @@ def test_default_skips_metrics_losses_and_frozen_children() -> None:
 def test_wrapping_is_idempotent_and_keeps_state_dict_keys() -> None:
     model = TinyTransformerLM()
     keys = list(model.state_dict())
-    first = wrap_submodules(model, WrapConfig())
-    second = wrap_submodules(model, WrapConfig())
+    first = wrap_submodules(model, ORTConfig())
+    second = wrap_submodules(model, ORTConfig())
     assert list(first) == ["embed", "net", "head"]
     assert all(first[name] is second[name] for name in first)
     assert list(model.state_dict()) == keys
@@ -32,7 +33,7 @@ def test_wrapping_is_idempotent_and_keeps_state_dict_keys() -> None:
 
 def test_explicit_and_dotted_names() -> None:
     model = TinyTransformerLM()
-    wrapped = wrap_submodules(model, WrapConfig.from_arguments(modules=["net.layers.0", "head"]))
+    wrapped = wrap_submodules(model, ORTConfig(modules=["net.layers.0", "head"]))
     assert list(wrapped) == ["net.layers.0", "head"]
     assert isinstance(model.net.layers[0], ORTModule)
     assert not isinstance(model.net.layers[1], ORTModule)
@@ -41,34 +42,34 @@ def test_explicit_and_dotted_names() -> None:
 def test_unknown_name_lists_children_and_wraps_nothing() -> None:
     model = TinyTransformerLM()
     with pytest.raises(ValueError, match=r"has no submodule 'encoder'\. Its children are: embed, net, head"):
-        wrap_submodules(model, WrapConfig.from_arguments(modules=["head", "encoder"]))
+        wrap_submodules(model, ORTConfig(modules=["head", "encoder"]))
     assert not isinstance(model.head, ORTModule)
     with pytest.raises(ValueError, match=r"`net` has no submodule 'blocks'"):
-        wrap_submodules(model, WrapConfig.from_arguments(modules=["net.blocks"]))
+        wrap_submodules(model, ORTConfig(modules=["net.blocks"]))
 
 
 def test_name_inside_a_wrapped_module_is_refused() -> None:
     model = TinyTransformerLM()
-    wrap_submodules(model, WrapConfig.from_arguments(modules=["net"]))
+    wrap_submodules(model, ORTConfig(modules=["net"]))
     with pytest.raises(ValueError, match="already an ORTModule"):
-        wrap_submodules(model, WrapConfig.from_arguments(modules=["net.layers.0"]))
+        wrap_submodules(model, ORTConfig(modules=["net.layers.0"]))
 
 
 def test_each_wrapped_module_saves_under_its_own_prefix(tmp_path: Path) -> None:
     model = TinyTransformerLM()
-    config = WrapConfig.from_arguments(save_onnx=True, onnx_prefix="lm", save_path=tmp_path)
+    config = ORTConfig(save_onnx=True, onnx_prefix="lm", save_path=tmp_path)
     wrapped = wrap_submodules(model, config)
     assert {name: m.debug_options.onnx_prefix for name, m in wrapped.items()} == {
         "embed": "lm_embed",
         "net": "lm_net",
         "head": "lm_head",
     }
-    assert WrapConfig().debug_options_for("net.layers.0").onnx_prefix == "net.layers.0"
+    assert ORTConfig().debug_options_for("net.layers.0").onnx_prefix == "net.layers.0"
 
 
-@pytest.mark.parametrize("owner", [ORTCallback, ORTDDPStrategy, ORTSingleDeviceStrategy])
+@pytest.mark.parametrize("owner", [ORTCallback, ORTDDPStrategy, ORTSingleDeviceStrategy, ORTFSDPStrategy])
 def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: type, tmp_path: Path) -> None:
-    # Each takes all of WrapConfig.from_arguments' parameters, by the same names, and hands each one on.
+    # Each declares all of ORTConfig's arguments, by the same names and types, and hands each one on.
     arguments = {
         "modules": ["net"],
         "save_onnx": True,
@@ -86,11 +87,22 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "dynamic": False,
         "blocks": ["TransformerEncoderLayer"],
     }
-    assert set(arguments) == set(inspect.signature(WrapConfig.from_arguments).parameters)
+    declared = inspect.signature(owner).parameters
+    assert set(arguments) | {"log_metrics", "prog_bar"} == set(ORTConfig.argument_names())
+    assert all(declared[name].annotation is not inspect.Parameter.empty for name in ORTConfig.argument_names())
+    assert declared["log_level"].default == "WARNING" and declared["blocks"].default == "auto"
     made = owner(**arguments)
     config = made.config if isinstance(made, ORTCallback) else made.ort_callback.config
-    assert config == WrapConfig.from_arguments(**arguments)
+    assert config == ORTConfig(**arguments)
     assert not config.session_settings.allow_spinning
     assert not config.session_settings.release_torch_threads
     assert config.debug_options.profile
     assert config.blocks == ("TransformerEncoderLayer",)
+
+
+@pytest.mark.parametrize("owner", [ORTCallback, ORTDDPStrategy, ORTSingleDeviceStrategy, ORTFSDPStrategy])
+def test_an_unknown_or_bad_ort_argument_fails_at_construction(owner: type) -> None:
+    with pytest.raises(TypeError, match="save_onx"):
+        owner(save_onx=True)
+    with pytest.raises(ValueError, match="log_level='LOUD'"):
+        owner(log_level="LOUD")

@@ -178,7 +178,7 @@ def first_sample(op: Any) -> Any:
 def check_op(op: Any) -> Outcome:
     """Run ``op``'s first sample through eager and a fresh ORTModule and compare."""
     from lightning_ort import ORTModule
-    from lightning_ort.engine.capture import FallbackWarning
+    from lightning_ort.errors import FallbackWarning
 
     start = time.perf_counter()
     key = op_key(op)

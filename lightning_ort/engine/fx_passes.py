@@ -9,8 +9,7 @@ each rewrite sees a gradient together with the forward op it belongs to.
 * :func:`cancel_permutes`: a ``Linear``'s backward transposes the already transposed weight back
   (``t(t(W))``); saved for the backward graph, that identity permutation is a full copy of the weight.
 
-:func:`move_saved_permutes` runs after partitioning, on the forward and backward graphs together, and
-:func:`substitute_functions` before AOTAutograd traces, on TorchDynamo's ``torch``-level graph.
+:func:`move_saved_permutes` runs after partitioning, on the forward and backward graphs together.
 """
 
 from __future__ import annotations
@@ -22,40 +21,9 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from lightning_ort.engine.decompositions import attention, dropout, multi_head_attention
-
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-
-
-def substitute_functions(gm: torch.fx.GraphModule) -> int:
-    """Replace calls of ``torch.nn.functional`` functions whose traced form exports badly, in place.
-
-    SDPA's fused kernels have backward ops with no ONNX translation (:func:`attention` is its math path),
-    ``F.multi_head_attention_forward`` splits heads with many layout copies (:func:`multi_head_attention`), and
-    ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`). Returns the calls replaced.
-
-    Example:
-        >>> gm = torch.fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.1))
-        >>> substitute_functions(gm)
-        1
-    """
-    replaced = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SUBSTITUTES:
-            node.target = _SUBSTITUTES[node.target]
-            replaced += 1
-    if replaced:
-        gm.recompile()
-    return replaced
-
-
-_SUBSTITUTES = {
-    torch.nn.functional.scaled_dot_product_attention: attention,
-    torch.nn.functional.multi_head_attention_forward: multi_head_attention,
-    torch.nn.functional.dropout: dropout,
-}
 
 
 def optimize_joint_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -220,7 +188,7 @@ def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     A view costs nothing in PyTorch, so AOTAutograd saves transposed views (attention's ``q``, ``k`` and
     probabilities, reshaped for batched products); ONNX Runtime writes each as a transposed copy. Permuted in
     the backward graph, the transpose folds into the product that reads it (``FusedMatMul(transB=1)``, see
-    :mod:`lightning_ort.engine.onnx_rewrites`) or stays one copy, made when it is needed.
+    :mod:`lightning_ort.engine.onnx_passes`) or stays one copy, made when it is needed.
 
     Only chains of ``permute``/``view`` with constant arguments are moved. The forward graph keeps its number
     of outputs (AOTAutograd counts them); a moved output's backward placeholder receives the base tensor.

@@ -13,7 +13,7 @@ import torch
 from onnx import TensorProto, helper
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine.onnx_rewrites import (
+from lightning_ort.engine.onnx_passes import (
     DISABLED_ORT_OPTIMIZERS,
     dequantize_scaled_masks,
     fuse_transposed_operands,

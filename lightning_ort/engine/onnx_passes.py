@@ -6,13 +6,11 @@
   CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
   becomes ``com.microsoft.FusedMatMul(A, B, transB=1)``; a transposed *left* operand becomes ``transA=1`` only
-  where ONNX Runtime's CPU kernel for it measured faster than transposing explicitly: batched products
-  (attention's gradients: 0.39 vs 1.08 ms for 256 products of 64x64 by 64x32) and products whose result has
-  more rows than columns (a weight gradient ``grad.T @ input`` with more outputs than inputs: 3.3 vs 4.8 ms for
-  1024x2048 by 2048x256). With fewer or as many rows, the fused kernel was slower (7.1 vs 6.2 ms for
-  2048x256 by 256x2048; mlp benchmark step 54.9 -> 47.9 ms with those left explicit). ONNX Runtime's own
+  where ONNX Runtime's CPU kernel for it is faster than transposing explicitly: batched products (attention's
+  gradients) and products whose result has more rows than columns (a weight gradient ``grad.T @ input`` with
+  more outputs than inputs). With fewer or as many rows the fused kernel is slower, so ONNX Runtime's own
   ``MatmulTransposeFusion``, which fuses every transposed operand, is turned off for our sessions
-  (:data:`DISABLED_ORT_OPTIMIZERS`). Measured on this project's 2-core CPU with spinning worker threads.
+  (:data:`DISABLED_ORT_OPTIMIZERS`).
 * :func:`use_nchwc_convolutions` (CPU graphs): a 2-D ``Conv`` whose channel counts are multiples of the CPU's
   NCHWc block runs ONNX Runtime's blocked-layout kernel (``com.microsoft.nchwc.Conv``), its weight reordered
   inside the graph. ONNX Runtime only makes that rewrite itself for weights that are constant initializers,
@@ -55,8 +53,7 @@ def simplify(model: ir.Model) -> None:
 
     This is ``torch.onnx.export(optimize=True)``'s pipeline without its pattern rewriter, whose matching cost
     grows with the graph while ONNX Runtime's own graph optimizations, run when the session is built, cover
-    what it rewrites (cast, transpose and reshape chains, identities, batch-norm folding). The benchmarks page
-    compares the two.
+    what it rewrites (cast, transpose and reshape chains, identities, batch-norm folding).
     """
     ir.passes.Sequential(
         common_passes.InlinePass(),
@@ -137,8 +134,7 @@ def split_gemm_bias(model: onnx.ModelProto) -> int:
     """Turn ``Gemm(A, B, bias)`` (a Linear layer with bias) into ``MatMul(A, B)`` and ``Add(bias)``, in place.
 
     ONNX Runtime's CPU ``Gemm`` first broadcasts the bias into its whole output and then accumulates the
-    product onto it; a separate ``Add`` is cheaper (2048x256 by 256x1024 with bias: 3.9 ms as one ``Gemm``,
-    3.6 ms as product and ``Add``; transformer benchmark step about 10 ms shorter, mlp 3-10 ms). Run
+    product onto it; a separate ``Add`` is cheaper. Run
     before :func:`fuse_transposed_operands`, which folds the weight's transpose into a ``FusedMatMul`` that
     ONNX Runtime does not fuse back into a ``Gemm``. Only plain ``Gemm`` nodes are rewritten: ``alpha`` and
     ``beta`` 1, no ``transA``, a 1-d bias. Returns the number of nodes rewritten.
@@ -187,8 +183,8 @@ def dequantize_scaled_masks(model: onnx.ModelProto) -> int:
     ``DequantizeLinear(mask, scale)``, in place.
 
     Dropout's saved one-byte keep mask is scaled this way in the forward and in the backward graph
-    (:func:`lightning_ort.engine.decompositions.dropout`). ONNX Runtime's CPU ``Cast`` from ``uint8`` and the
-    product took 2.7 ms for 2M elements, its vectorised ``DequantizeLinear`` 1.3 ms. Only a ``Cast`` whose one
+    (:func:`lightning_ort.engine.replacements.dropout`). ONNX Runtime's CPU ``DequantizeLinear`` is vectorised
+    and about twice as fast as its ``Cast`` from ``uint8`` and the product. Only a ``Cast`` whose one
     reader is the product is folded. Returns the number of products rewritten.
 
     Example:
@@ -238,9 +234,8 @@ def sum_rows_by_product(model: onnx.ModelProto) -> int:
     """Turn ``ReduceSum`` over the leading axes of a static-shape float32 tensor into ``ones @ rows``, in place.
 
     The gradients of biases and of normalisation weights sum the output gradient over every row (``[2048, 1024]``
-    -> ``[1024]`` in the transformer benchmark); ONNX Runtime's CPU ``ReduceSum`` over the leading axis took
-    0.47 ms for that shape, a ``MatMul`` of a ``[1, 2048]`` row of ones by the ``[2048, 1024]`` rows 0.21 ms
-    (``[2048, 256]``: 0.18 -> 0.10 ms). The data is reshaped to ``[rows, columns]`` (no copy), multiplied, and
+    -> ``[1024]``); ONNX Runtime's CPU ``ReduceSum`` over the leading axis is about twice as slow as a
+    ``MatMul`` of a row of ones by the rows. The data is reshaped to ``[rows, columns]`` (no copy), multiplied, and
     reshaped to the reduction's output. Returns the number of nodes rewritten.
 
     Example:

@@ -1,0 +1,137 @@
+"""The benchmark's reference workloads, fixed so that figures compare across versions, and ``--module`` factories.
+
+* ``transformer``: ``Embedding(1000, 256)``, ``nn.TransformerEncoder`` of 4 pre-norm layers (8 heads, ff 1024,
+  dropout 0.1), ``Linear(256, 1000)``; 32 x 64 tokens, cross-entropy.
+* ``mlp``: ``Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10)``, batch 256.
+* ``cnn``: a conv/BatchNorm/ReLU stem and three residual stages (32, 64, 128 channels) on 64 images 32x32x3.
+
+A factory for ``--module`` takes a :class:`torch.device` and returns ``(module, inputs, loss_fn)``: ``inputs``
+a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass
+class Workload:
+    """A model, one batch of inputs and a loss: what one training step runs."""
+
+    name: str
+    model: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[[Any], torch.Tensor]
+
+
+class ResidualBlock(nn.Module):
+    """Two 3x3 conv/BatchNorm layers with a skip connection (a 1x1 projection when the shape changes).
+
+    Example:
+        >>> ResidualBlock(3, 8, stride=2)(torch.randn(2, 3, 8, 8)).shape
+        torch.Size([2, 8, 4, 4])
+    """
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.skip = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class TransformerLM(nn.Module):
+    """``Embedding(vocab, width)``, a pre-norm ``nn.TransformerEncoder`` and a ``Linear(width, vocab)`` head.
+
+    Example:
+        >>> TransformerLM(vocab=50, width=16, heads=2, layers=1)(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 50])
+    """
+
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+
+def _token_loss(targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda logits: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def transformer_workload(device: torch.device) -> Workload:
+    """Embedding(1000, 256), 4 pre-norm layers (8 heads, ff 1024, dropout 0.1), 32 x 64 tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (32, 65), generator=g).to(device)
+    model = TransformerLM(vocab=1000, width=256, heads=8, layers=4)
+    return Workload("transformer", model, (ids[:, :-1],), _token_loss(ids[:, 1:]))
+
+
+def mlp_workload(device: torch.device) -> Workload:
+    """Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10), batch 256."""
+    g = torch.Generator().manual_seed(1)
+    x, labels = torch.randn(256, 512, generator=g).to(device), torch.randint(0, 10, (256,), generator=g).to(device)
+    model = nn.Sequential(
+        nn.Linear(512, 2048), nn.GELU(), nn.LayerNorm(2048), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10)
+    )
+    return Workload("mlp", model, (x,), _token_loss(labels))
+
+
+def cnn_workload(device: torch.device) -> Workload:
+    """A ResNet-style stem and three stages (32, 64, 128 channels) on 64 images of 32x32x3, 10 classes."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(64, 3, 32, 32, generator=g).to(device)
+    labels = torch.randint(0, 10, (64,), generator=g).to(device)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        ResidualBlock(32, 32, 1),
+        ResidualBlock(32, 64, 2),
+        ResidualBlock(64, 128, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    )
+    return Workload("cnn", model, (images,), _token_loss(labels))
+
+
+WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
+    "transformer": transformer_workload,
+    "mlp": mlp_workload,
+    "cnn": cnn_workload,
+}
+
+
+def load_factory(spec: str) -> Callable[[torch.device], Workload]:
+    """Turn ``"pkg.mod:factory"`` into a workload factory (see the module docstring for the contract)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"--module expects 'package.module:factory', got {spec!r}.")
+    factory = getattr(importlib.import_module(module_name), attribute)
+
+    def build(device: torch.device) -> Workload:
+        model, inputs, loss_fn = factory(device)
+        return Workload(spec, model, tuple(inputs), loss_fn)
+
+    return build

@@ -1,0 +1,183 @@
+"""The ONNX Runtime arguments of the Lightning strategies and of ``ORTCallback``, defined once.
+
+:class:`ORTConfig` declares and documents every argument; :func:`ort_arguments` puts them into the signature of
+each strategy's and the callback's ``__init__`` as keyword-only parameters, so that they read the same from
+Python (``ORTDDPStrategy(save_onnx=True)``), from ``help()`` and from LightningCLI (``init_args: {save_onnx:
+true}``, where jsonargparse checks each value against its type while parsing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, parse_fallback, parse_log_level
+
+OptimizationLevel = Literal["disable", "basic", "extended", "all"]
+"""ONNX Runtime's graph optimization levels, by name."""
+
+
+@dataclass(frozen=True)
+class ORTConfig:
+    """What the strategies and :class:`~lightning_ort.ORTCallback` wrap, and how.
+
+    Every strategy and the callback takes these as keyword arguments of their own
+    (``Trainer(strategy=ORTDDPStrategy(save_onnx=True, onnx_prefix="lm"))``); LightningCLI reads them from
+    ``init_args``. Values are checked when the config is made: an unwritable ``save_path`` or an unknown
+    ``log_level`` fails before training.
+
+    Args:
+        modules: LightningModule attribute paths to wrap (dotted for nested ones: ``"model.encoder"``). Default:
+            every direct child with trainable parameters that is not a torchmetrics ``Metric`` or a loss module.
+        save_onnx: save every exported and ORT-optimized ONNX model (see :class:`~lightning_ort.DebugOptions`).
+        log_level: ORT session and ``lightning_ort`` logger verbosity: VERBOSE, INFO, WARNING, ERROR, FATAL.
+        onnx_prefix: file name prefix of saved models; each wrapped submodule's files add its path.
+        save_path: folder for saved models and profiles (default: the working directory); checked for write
+            access at once.
+        profile: record ONNX Runtime's profile of every graph (see :class:`~lightning_ort.DebugOptions`). At the
+            end of each ``fit``/``validate``/``test``/``predict`` the profiles are written to ``save_path`` (one
+            file per graph and rank) and rank zero logs its kernel time by op type.
+        providers: ONNX Runtime execution providers (default: CUDA for CUDA tensors, else CPU).
+        optimization_level: ONNX Runtime graph optimization level.
+        intra_op_num_threads: ONNX Runtime threads per operator (0 = ONNX Runtime's default).
+        allow_spinning: let ONNX Runtime's threads busy-wait inside a run (see
+            :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
+        release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
+            run (see :class:`~lightning_ort.SessionSettings`).
+        fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
+        cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
+            loads them instead of exporting again (default: no on-disk cache).
+        dynamic: symbolic input sizes: ``None`` (automatic: sizes that change between calls become symbolic),
+            ``True`` (all from the start), ``False`` (one graph per shape).
+        blocks: block graphs: ``"auto"`` (default) exports each block class repeated within a wrapped network
+            (transformer layers in an ``nn.ModuleList``) once and runs every instance through it, so the first
+            step stops growing with depth; class names (``["GPT2Block"]``) choose them; ``None`` captures each
+            network as one graph. See :class:`~lightning_ort.ORTModule`.
+        log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
+        prog_bar: also show those metrics in the progress bar.
+
+    Example:
+        >>> config = ORTConfig(modules="net", log_level="INFO", blocks="GPT2Block")
+        >>> config.modules, config.debug_options.log_level, config.blocks
+        (('net',), <LogLevel.INFO: 'INFO'>, ('GPT2Block',))
+    """
+
+    modules: Sequence[str] | None = None
+    save_onnx: bool = False
+    log_level: LogLevel = LogLevel.WARNING
+    onnx_prefix: str = ""
+    save_path: str | os.PathLike[str] | None = None
+    profile: bool = False
+    providers: Sequence[str] | None = None
+    optimization_level: OptimizationLevel = "all"
+    intra_op_num_threads: int = 0
+    allow_spinning: bool = True
+    release_torch_threads: bool = True
+    fallback: Fallback = "auto"
+    cache_dir: str | os.PathLike[str] | None = None
+    dynamic: bool | None = None
+    blocks: Sequence[str] | str | None = "auto"
+    log_metrics: bool = True
+    prog_bar: bool = False
+    debug_options: DebugOptions = field(init=False, repr=False, compare=False)
+    session_settings: SessionSettings = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        normalised = {
+            "modules": (self.modules,) if isinstance(self.modules, str) else _tuple(self.modules),
+            "providers": _tuple(self.providers) or None,
+            "log_level": parse_log_level(self.log_level),
+            "fallback": parse_fallback(self.fallback),
+            "blocks": self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(
+            self,
+            "debug_options",
+            DebugOptions(
+                save_onnx=self.save_onnx,
+                log_level=self.log_level,
+                onnx_prefix=self.onnx_prefix,
+                save_path=self.save_path if self.save_path is not None else os.getcwd(),
+                profile=self.profile,
+            ),
+        )
+        object.__setattr__(
+            self,
+            "session_settings",
+            SessionSettings(
+                providers=_tuple(self.providers),
+                optimization_level=self.optimization_level,
+                intra_op_num_threads=self.intra_op_num_threads,
+                allow_spinning=self.allow_spinning,
+                release_torch_threads=self.release_torch_threads,
+            ),
+        )
+
+    @classmethod
+    def argument_names(cls) -> tuple[str, ...]:
+        """The names of the ORT arguments, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @classmethod
+    def take_arguments(cls, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The ORT arguments in ``arguments``, removed from it; the rest stays for the caller.
+
+        Example:
+            >>> arguments = {"save_onnx": True, "onnx_prefix": "lm", "static_graph": True}
+            >>> ORTConfig.take_arguments(arguments), arguments
+            ({'save_onnx': True, 'onnx_prefix': 'lm'}, {'static_graph': True})
+        """
+        return {name: arguments.pop(name) for name in cls.argument_names() if name in arguments}
+
+    def debug_options_for(self, path: str) -> DebugOptions:
+        """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""
+        prefix = f"{self.onnx_prefix}_{path}" if self.onnx_prefix else path
+        return dataclasses.replace(self.debug_options, onnx_prefix=prefix)
+
+
+def _tuple(values: Sequence[str] | None) -> tuple[str, ...] | None:
+    return tuple(values) if values is not None else None
+
+
+def _names(blocks: Sequence[str] | str) -> tuple[str, ...]:
+    return (blocks,) if isinstance(blocks, str) else tuple(blocks)
+
+
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def ort_arguments(init: Init) -> Init:
+    """Declare :class:`ORTConfig`'s arguments as keyword-only parameters of ``init``, an ``__init__``.
+
+    ``init`` receives them through its ``**kwargs`` (taken out with :meth:`ORTConfig.take_arguments`). A
+    ``**kwargs`` named ``ort_options`` holds only these and leaves the signature; any other ``**kwargs`` (a
+    strategy's arguments for its Lightning base class) stays in it.
+
+    Example:
+        >>> class Owner:
+        ...     @ort_arguments
+        ...     def __init__(self, **ort_options: Any) -> None:
+        ...         self.config = ORTConfig(**ort_options)
+        >>> list(inspect.signature(Owner).parameters)[:3]
+        ['modules', 'save_onnx', 'log_level']
+    """
+    signature = inspect.signature(init)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    rest = [
+        p for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD and p.name != "ort_options"
+    ]
+    hints = typing.get_type_hints(ORTConfig)
+    declared = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in dataclasses.fields(ORTConfig)
+        if f.init
+    ]
+    setattr(init, "__signature__", signature.replace(parameters=[*own, *declared, *rest]))  # noqa: B010
+    return init

@@ -1,0 +1,136 @@
+"""Output layout of exported graphs: which FX outputs ONNX Runtime produces, and how the rest are rebuilt.
+
+ONNX drops ``None`` gradients and needs unique output names, and ONNX Runtime would copy an output that is
+one of the graph's inputs or a reshape of another output. :func:`normalise_outputs` keeps only the tensor
+outputs ONNX Runtime must compute, once each; :class:`OutputLayout` puts every FX output back in its place
+after a run: ONNX outputs, inputs passed through, views of either, and size expressions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import sympy
+import torch
+import torch.fx
+
+from lightning_ort.engine.dynamic import Size, evaluate, symbolic_shape, symbolic_size
+from lightning_ort.errors import ExportError
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class PassedInput:
+    """An FX output that is one of the graph's inputs, returned as is (ONNX Runtime would copy it)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class ReshapedOutput:
+    """A saved tensor that is a reshape of an ONNX output or a passed-through input, replayed as a view.
+
+    ONNX Runtime's ``Reshape`` cannot alias a graph output, so returning the reshape copies the tensor.
+    """
+
+    base: int | PassedInput
+    shape: tuple[Size, ...]
+
+
+Source: TypeAlias = int | PassedInput | ReshapedOutput | sympy.Expr | None
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where each FX output comes from: an ONNX output index, ``None`` for a ``None`` output, an input passed
+    through (forward graphs return parameters the backward graph needs), a reshape of either, or a size
+    expression for an integer output (dynamic-shape forward graphs return sizes the backward graph needs)."""
+
+    sources: tuple[Source, ...]
+
+    def place(
+        self, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
+    ) -> list[Any]:
+        return [_place(source, onnx_outputs, inputs, env) for source in self.sources]
+
+
+def _place(
+    source: Source, onnx_outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], env: dict[sympy.Symbol, int]
+) -> Any:
+    # A module-level function, not a closure in ``place``: a recursive closure is a reference cycle that kept
+    # every output alive until the garbage collector ran, so autograd copied each gradient instead of taking it.
+    if source is None:
+        return None
+    if isinstance(source, int):
+        return onnx_outputs[source]
+    if isinstance(source, PassedInput):
+        return inputs[source.index].detach()
+    if isinstance(source, ReshapedOutput):
+        base = _place(source.base, onnx_outputs, inputs, env)
+        return base.view(tuple(evaluate(size, env) for size in source.shape))
+    return evaluate(source, env)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    shape: tuple[Size, ...]
+    dtype: torch.dtype
+
+
+def normalise_outputs(gm: torch.fx.GraphModule, saved_from: int | None) -> tuple[OutputLayout, list[OutputSpec]]:
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = output_node.args[0]
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    computed = [v for v in values if isinstance(v, torch.fx.Node) and v.op != "placeholder"]
+    user_visible = set(values[:saved_from] if saved_from is not None else values)
+    unique: list[torch.fx.Node] = []
+
+    def tensor_source(node: torch.fx.Node) -> int | PassedInput:
+        if node.op == "placeholder" and computed:
+            return PassedInput(placeholders.index(node))
+        if node not in unique:
+            unique.append(node)
+        return unique.index(node)
+
+    sources: list[Source] = []
+    for value in values:
+        if value is None:
+            sources.append(None)
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            sources.append(sympy.Integer(value))
+            continue
+        if not isinstance(value, torch.fx.Node):
+            raise ExportError(
+                f"Captured graph returns a non-tensor value {value!r}; only tensors can leave ONNX Runtime."
+            )
+        if isinstance(value.meta.get("val"), torch.SymInt):
+            sources.append(sympy.sympify(symbolic_size(value.meta["val"])))
+            continue
+        base = _reshape_base(value)
+        if value not in user_visible and base is not None and base not in user_visible:
+            sources.append(ReshapedOutput(tensor_source(base), symbolic_shape(value.meta["val"].shape)))
+            continue
+        sources.append(tensor_source(value))
+    output_node.args = (tuple(unique),)
+    gm.graph.eliminate_dead_code()
+    specs = [OutputSpec(symbolic_shape(n.meta["val"].shape), n.meta["val"].dtype) for n in unique]
+    return OutputLayout(tuple(sources)), specs
+
+
+def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor that ``node`` reshapes (through a chain of reshapes), or ``None`` if it is no reshape.
+
+    ONNX outputs and the inputs bound to ONNX Runtime are contiguous, so a view of the base always exists.
+    """
+    base = node
+    while base.op == "call_function" and base.target in _RESHAPES and isinstance(base.args[0], torch.fx.Node):
+        base = base.args[0]
+    return None if base is node else base
+
+
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}

@@ -1,0 +1,271 @@
+"""Replacements of ``torch.nn.functional`` calls in TorchDynamo's graphs, before AOTAutograd traces them.
+
+Some functions trace into ATen ops that export badly: SDPA's fused kernels have backward ops with no ONNX
+translation, ``F.multi_head_attention_forward`` splits heads with many layout copies, and ``F.dropout``'s mask
+is drawn by ONNX's own generator. :func:`substitute_functions` points each such call at its replacement here:
+:func:`attention` (SDPA's math path written with plain ops), :func:`multi_head_attention`, and :func:`dropout`
+(the input times a one-byte keep mask drawn by one random op, :func:`dropout_keep`, which the export lifts out
+as an input drawn in PyTorch, scaled in the graph).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as PyTorch's math path computes it, with one difference in cost.
+
+    The math path always uses a "safe" softmax (rows whose scores are all ``-inf`` give zeros, not NaNs),
+    which costs a full-size select per attention. Without a mask, or with a causal one, no row can be fully
+    masked, so a plain softmax gives the same result; only an explicit mask gets the safe one.
+
+    Example:
+        >>> q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
+        >>> keep = torch.rand(2, 1, 5, 6) > 0.3
+        >>> expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        >>> torch.allclose(attention(q, k, v, attn_mask=keep), expected, atol=1e-6)
+        True
+    """
+    length, source = query.shape[-2], key.shape[-2]
+    factor = math.sqrt(1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+    if enable_gqa:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+    scores = (query * factor) @ (key.transpose(-2, -1) * factor)
+    if is_causal:
+        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        masked = attn_mask.dtype == torch.bool
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if masked else scores + attn_mask
+        weights = aten._safe_softmax(scores, -1)
+    else:
+        weights = torch.softmax(scores, -1)
+    if dropout_p > 0.0:
+        weights = dropout(weights, dropout_p)
+    return weights @ value
+
+
+@torch.library.custom_op("lightning_ort::dropout_keep", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_keep(like: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout's keep mask for ``like``: 1 with probability ``1 - p``, else 0, as ``uint8``.
+
+    One random op for the whole mask, so the partitioner saves the mask itself for the backward graph
+    (random ops are never recomputed) and the export lifts it as one input drawn in PyTorch (see
+    :class:`lightning_ort.engine.noise.Noise`). One byte per element, as eager's boolean mask, where a
+    float32 mask would hold four. ``uint8`` rather than ``bool``, because ONNX Runtime scales it to floats in
+    one ``DequantizeLinear`` node, faster than a ``Where`` on a boolean mask or a ``Cast`` and a product.
+
+    Example:
+        >>> keep = dropout_keep(torch.empty(10_000), 0.25)
+        >>> keep.dtype, sorted(keep.unique().tolist()), round(float(keep.float().mean()), 1)
+        (torch.uint8, [0, 1], 0.8)
+    """
+    return (torch.rand_like(like) > p).to(torch.uint8)
+
+
+@dropout_keep.register_fake
+def _dropout_keep_fake(like: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(like, dtype=torch.uint8)
+
+
+DROPOUT_KEEP = torch.ops.lightning_ort.dropout_keep.default
+"""The op :func:`dropout_keep` records in captured graphs (lifted out of them by the export)."""
+
+
+_EAGER_DROPOUT = torch.nn.functional.dropout
+
+
+def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` as ``input * (dropout_keep(input, p) * (1 / (1 - p)))``: the same distribution, a cheaper
+    graph.
+
+    The mask's gradient is not needed (it is random), so the backward graph scales the saved one-byte mask and
+    multiplies. For 16-bit inputs the scaled mask is float32 and the product is rounded once, as eager's
+    dropout does: a 16-bit ``1 / (1 - p)`` would scale every kept element with the same rounding error
+    (-0.16% in bfloat16 for ``p=0.1``). ``p`` of 0 or 1, or outside training, is left to PyTorch's own
+    ``F.dropout``.
+
+    Example:
+        >>> x = torch.randn(1000, requires_grad=True)
+        >>> y = dropout(x, 0.5)
+        >>> y.sum().backward()
+        >>> torch.equal(x.grad, (y != 0).float() * 2)
+        True
+    """
+    if not training or p <= 0.0 or p >= 1.0:
+        return _EAGER_DROPOUT(input, p, training, inplace)
+    scaled = dropout_keep(input.detach(), p).to(input.dtype if input.element_size() >= 4 else torch.float32)
+    scaled = scaled * (1.0 / (1.0 - p))
+    if inplace:
+        return input.mul_(scaled)
+    return (input * scaled).to(input.dtype)
+
+
+_EAGER_MULTI_HEAD_ATTENTION = torch.nn.functional.multi_head_attention_forward
+
+
+def multi_head_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: torch.Tensor | None,
+    in_proj_bias: torch.Tensor | None,
+    bias_k: torch.Tensor | None,
+    bias_v: torch.Tensor | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+    training: bool = True,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: torch.Tensor | None = None,
+    k_proj_weight: torch.Tensor | None = None,
+    v_proj_weight: torch.Tensor | None = None,
+    static_k: torch.Tensor | None = None,
+    static_v: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``F.multi_head_attention_forward`` for self-attention, with the heads split in the batch-first layout.
+
+    PyTorch's implementation splits heads with views of the sequence-first layout that eager gets for free but
+    ONNX materialises (about 7 transposes per layer forward, as many backward). For self-attention without
+    attention weights (what ``nn.TransformerEncoderLayer`` asks for) this computes the same products and masks
+    with two: one to split q, k, v and heads, one to merge heads; ``nn.MultiheadAttention``'s own batch-first
+    transposes around the call cancel in ONNX Runtime. Every other configuration runs PyTorch's own function.
+
+    Example:
+        >>> mha = torch.nn.MultiheadAttention(8, 2)
+        >>> x, padding = torch.randn(5, 3, 8), torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 5])
+        >>> expected, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
+        >>> actual, _ = multi_head_attention(
+        ...     x, x, x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+        ...     mha.out_proj.weight, mha.out_proj.bias, key_padding_mask=padding, need_weights=False)
+        >>> torch.allclose(actual, expected, atol=1e-6)
+        True
+    """
+    supported = (
+        query is key
+        and key is value
+        and query.dim() == 3
+        and not need_weights
+        and not use_separate_proj_weight
+        and bias_k is None
+        and static_k is None
+        and not add_zero_attn
+        and not (is_causal and attn_mask is None)
+    )
+    if not supported or in_proj_weight is None:
+        return _EAGER_MULTI_HEAD_ATTENTION(
+            query,
+            key,
+            value,
+            embed_dim_to_check,
+            num_heads,
+            in_proj_weight,
+            in_proj_bias,
+            bias_k,
+            bias_v,
+            add_zero_attn,
+            dropout_p,
+            out_proj_weight,
+            out_proj_bias,
+            training=training,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            use_separate_proj_weight=use_separate_proj_weight,
+            q_proj_weight=q_proj_weight,
+            k_proj_weight=k_proj_weight,
+            v_proj_weight=v_proj_weight,
+            static_k=static_k,
+            static_v=static_v,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
+    functional = torch.nn.functional
+    key_padding_mask = functional._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=functional._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    attn_mask = functional._canonical_mask(
+        mask=attn_mask,
+        mask_name="attn_mask",
+        other_type=None,
+        other_name="",
+        target_type=query.dtype,
+        check_other=False,
+    )
+    inputs = query.transpose(0, 1)
+    batch, length, width = inputs.shape
+    heads = num_heads
+    mask = None
+    causal = is_causal and key_padding_mask is None
+    if not causal:
+        if attn_mask is not None:
+            mask = (
+                attn_mask.view(1, 1, length, length)
+                if attn_mask.dim() == 2
+                else attn_mask.view(batch, heads, length, length)
+            )
+        if key_padding_mask is not None:
+            padding = key_padding_mask.view(batch, 1, 1, length)
+            mask = padding if mask is None else mask + padding
+    projected = functional.linear(inputs, in_proj_weight, in_proj_bias)
+    q, k, v = projected.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    attended = attention(q, k, v, mask, dropout_p if training else 0.0, causal)
+    merged = attended.transpose(1, 2).reshape(batch, length, width)
+    return functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
+
+
+def substitute_functions(gm: torch.fx.GraphModule) -> int:
+    """Replace calls of ``torch.nn.functional`` functions whose traced form exports badly, in place.
+
+    SDPA's fused kernels have backward ops with no ONNX translation (:func:`attention` is its math path),
+    ``F.multi_head_attention_forward`` splits heads with many layout copies (:func:`multi_head_attention`), and
+    ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`). Returns the calls replaced.
+
+    Example:
+        >>> gm = torch.fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.1))
+        >>> substitute_functions(gm)
+        1
+    """
+    replaced = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SUBSTITUTES:
+            node.target = _SUBSTITUTES[node.target]
+            replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
+
+
+_SUBSTITUTES = {
+    torch.nn.functional.scaled_dot_product_attention: attention,
+    torch.nn.functional.multi_head_attention_forward: multi_head_attention,
+    torch.nn.functional.dropout: dropout,
+}
