@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ort.bench_depth import DepthResult, format_depth_report, probe, run_depth_study
 from lightning_ort.bench_fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
-from lightning_ort.bench_workloads import WORKLOADS, Workload, load_factory
+from lightning_ort.bench_workloads import WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.profiling import KernelProfile
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions
@@ -183,10 +183,10 @@ def matmul_gflops(device: torch.device, size: int = 2048, repeats: int = 10) -> 
     torch.mm(a, b)
     fastest = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         torch.mm(a, b)
-        _sync(device)
+        synchronize(device)
         fastest = min(fastest, time.perf_counter() - start)
     return 2 * size**3 / fastest / 1e9
 
@@ -231,13 +231,13 @@ class _Runner:
         return ""
 
     def step(self) -> float:
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         loss = self.workload.loss_fn(self.model(*self.workload.inputs))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        _sync(self.device)
+        synchronize(self.device)
         elapsed = time.perf_counter() - start
         self.losses.append(loss.item())
         return elapsed
@@ -306,13 +306,13 @@ def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: 
             self._start = 0.0
 
         def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
-            _sync(device)
+            synchronize(device)
             self._start = time.perf_counter()
 
         def on_train_batch_end(
             self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, idx: int
         ) -> None:
-            _sync(device)
+            synchronize(device)
             self.times_ms.append((time.perf_counter() - self._start) * 1e3)
 
     class BenchModule(pl.LightningModule):
@@ -438,11 +438,6 @@ def inductor_cache(cold: bool) -> Iterator[str]:
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: Sequence[str] | None = None) -> BenchReport:

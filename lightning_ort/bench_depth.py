@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_ort.bench_workloads import synchronize
 from lightning_ort.module import ORTModule
 
 FIRST_STEP_RUNTIMES = ("ort_blocks", "ort", "inductor")
@@ -83,18 +84,23 @@ class _Trainee:
         self.device = device
 
     def step(self) -> float:
-        _sync(self.device)
-        start = time.perf_counter()
-        loss = self.model(input_ids=self.ids, labels=self.ids).loss
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        _sync(self.device)
-        return time.perf_counter() - start
+        return training_step(self.model, self.optimizer, self.ids, self.device)
 
     @property
     def onnx_exports(self) -> int:
         return self.model.statistics.onnx_exports if isinstance(self.model, ORTModule) else 0
+
+
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, device: torch.device) -> float:
+    """One timed language-model training step of a Hugging Face causal LM on ``ids`` (seconds)."""
+    synchronize(device)
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def probe(kind: str, layers: int, width: int, steps: int, device: torch.device) -> dict[str, Any]:
@@ -168,8 +174,3 @@ def format_depth_report(results: Sequence[DepthResult], width: int) -> str:
             f"graph {whole:.2f}x (exports: with block graphs / whole model)"
         )
     return "\n".join(lines)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

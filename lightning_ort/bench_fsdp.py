@@ -15,7 +15,6 @@ import os
 import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +68,7 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_ort.bench_depth import gpt2_model
+    from lightning_ort.bench_depth import gpt2_model, training_step
     from lightning_ort.module import ORTModule
     from lightning_ort.strategies import shard_network
 
@@ -103,7 +102,7 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
         times: dict[str, list[float]] = {name: [] for name in models}
         for step in range(steps + 1):
             for name, model in models.items():
-                elapsed = _step(model, optimizers[name], ids, device)
+                elapsed = training_step(model, optimizers[name], ids, device)
                 if step > 0:
                     times[name].append(elapsed * 1e3)
         ort = models["ort_fsdp"]
@@ -121,19 +120,6 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
             Path(out).write_text(json.dumps(result.__dict__))
     finally:
         dist.destroy_process_group()
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

@@ -135,3 +135,9 @@ def load_factory(spec: str) -> Callable[[torch.device], Workload]:
         return Workload(spec, model, tuple(inputs), loss_fn)
 
     return build
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA), so that a timer around a step measures the step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -91,11 +91,14 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         ort = ORTCallback(**ORTConfig.take_arguments(kwargs))
-        unknown = sorted(set(kwargs) - set(inspect.signature(DistributedDataParallel).parameters))
+        known = set(inspect.signature(DDPStrategy).parameters) | set(
+            inspect.signature(DistributedDataParallel).parameters
+        )
+        unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(
                 f"ORTDDPStrategy got unknown argument(s) {unknown}: neither ORT arguments "
-                f"({', '.join(ORTConfig.argument_names())}) nor DistributedDataParallel's."
+                f"({', '.join(ORTConfig.argument_names())}) nor DDPStrategy's or DistributedDataParallel's."
             )
         super().__init__(
             accelerator=accelerator,

@@ -485,8 +485,8 @@ PENDING_WARNINGS = PendingWarnings()
 def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    # No common-subexpression pass here: the ONNX translation (onnxscript's optimizer) and ONNX Runtime remove
-    # duplicates themselves (the three benchmark workloads export node for node the same graphs), and
+    # No common-subexpression pass here: the ONNX translation and ONNX Runtime remove duplicates themselves,
+    # and
     # functorch's pass imports torch._inductor's pattern matcher, which costs memory and first-call time.
     with functorch_config.patch(cse=False):
         forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)

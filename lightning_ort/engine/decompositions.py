@@ -196,8 +196,8 @@ def _columns_times_grad(columns: torch.Tensor, grad_output: torch.Tensor) -> tor
 
     Where an image has fewer output positions than the layer has output channels (deep, low-resolution
     layers), the per-image products ``[images, channels * taps, out_channels]`` would be larger than the
-    columns, so images and positions become one contraction instead (the cnn benchmark's 128-channel 8x8
-    layers: 38 MiB of per-image products, now an 18 MiB transposed copy of the columns; same step time).
+    columns, so images and positions become one contraction instead, whose transposed copy of the columns is
+    smaller.
     """
     batch, rows, positions = columns.shape
     grad = grad_output.reshape(batch, grad_output.shape[1], positions)

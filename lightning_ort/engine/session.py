@@ -107,10 +107,9 @@ def _names(providers: list[str | tuple[str, dict[str, str]]]) -> list[str]:
 def _register_shared_cpu_arena() -> None:
     """Give every CPU session of this process one memory arena (once per process).
 
-    Each session otherwise keeps its own arena at its own peak: the forward and backward graphs' arenas
-    together held 14% of the transformer benchmark's peak memory that one shared arena does not need
-    (824 -> 705 MiB), at the same step time. The arena grows by what is asked, not by doubling its last
-    extension (cnn benchmark 463 -> 437 MiB resident).
+    Each session otherwise keeps its own arena at its own peak, so the forward and backward graphs' arenas
+    together hold memory that one shared arena does not need. The arena grows by what is asked, not by
+    doubling its last extension.
     """
     cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, _ARENA_EXTEND_SAME_AS_REQUESTED, -1, -1))
@@ -149,7 +148,7 @@ class GraphSession:
             options.add_session_config_entry("session.use_env_allocators", "1")
             # A memory pattern reserves one block per graph for all its intermediates, planned apart from the
             # other graphs' blocks; without it the shared arena reuses freed space across the forward and
-            # backward graphs: transformer benchmark 923 -> 729 MiB resident, step time within 1%.
+            # backward graphs.
             options.enable_mem_pattern = False
         options.log_severity_level = LogLevel(debug.log_level).ort_severity
         if debug.save_onnx:
