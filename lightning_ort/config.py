@@ -88,9 +88,10 @@ class ORTConfig:
     session_settings: SessionSettings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        providers = _names(self.providers) or None
         normalised = {
-            "modules": (self.modules,) if isinstance(self.modules, str) else _tuple(self.modules),
-            "providers": _tuple(self.providers) or None,
+            "modules": _names(self.modules),
+            "providers": providers,
             "log_level": parse_log_level(self.log_level),
             "fallback": parse_fallback(self.fallback),
             "blocks": self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
@@ -112,7 +113,7 @@ class ORTConfig:
             self,
             "session_settings",
             SessionSettings(
-                providers=_tuple(self.providers),
+                providers=providers,
                 optimization_level=self.optimization_level,
                 intra_op_num_threads=self.intra_op_num_threads,
                 allow_spinning=self.allow_spinning,
@@ -142,12 +143,11 @@ class ORTConfig:
         return dataclasses.replace(self.debug_options, onnx_prefix=prefix)
 
 
-def _tuple(values: Sequence[str] | None) -> tuple[str, ...] | None:
-    return tuple(values) if values is not None else None
-
-
-def _names(blocks: Sequence[str] | str) -> tuple[str, ...]:
-    return (blocks,) if isinstance(blocks, str) else tuple(blocks)
+def _names(values: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    """Names as a tuple: one name alone (``"net"``) becomes ``("net",)``; ``None`` stays ``None``."""
+    if values is None:
+        return None
+    return (values,) if isinstance(values, str) else tuple(values)
 
 
 Init = TypeVar("Init", bound=Callable[..., None])

@@ -145,3 +145,12 @@ def node_origin(node: torch.fx.Node) -> str:
     if trace:
         return trace.strip().splitlines()[-2].strip() if len(trace.strip().splitlines()) > 1 else trace.strip()
     return ""
+
+
+def user_frame(error: BaseException) -> str:
+    """``file:line (`code`)`` of the model code TorchDynamo stopped at."""
+    stack = getattr(error, "real_stack", None)
+    if not stack:
+        return "an unknown line"
+    frame = stack[-1]
+    return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"

@@ -17,7 +17,7 @@ from torch._dynamo.exc import UncapturedHigherOrderOpError
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers, user_frame
+from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers
 from lightning_ort.engine.blocks import (
     BlockSpec,
     mark_blocks,
@@ -29,7 +29,7 @@ from lightning_ort.engine.blocks import (
 from lightning_ort.engine.capture import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
-from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, warn
+from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, configure_logger, parse_fallback
 
 log = logging.getLogger(__name__)

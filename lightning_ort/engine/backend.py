@@ -31,7 +31,7 @@ from lightning_ort.engine.capture import (
     GraphRunner,
 )
 from lightning_ort.engine.disk_cache import DiskCache
-from lightning_ort.errors import CaptureError, FallbackWarning, first_line, warn
+from lightning_ort.errors import CaptureError, FallbackWarning, first_line, user_frame, warn
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
 
 log = logging.getLogger(__name__)
@@ -352,12 +352,3 @@ class _RecompileLimitFilter(logging.Filter):
 _LIMIT_HITS: list[tuple[str, ...]] = []
 _LIMIT_FILTER = _RecompileLimitFilter()
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)
-
-
-def user_frame(error: BaseException) -> str:
-    """``file:line (`code`)`` of the model code TorchDynamo stopped at."""
-    stack = getattr(error, "real_stack", None)
-    if not stack:
-        return "an unknown line"
-    frame = stack[-1]
-    return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"

@@ -172,8 +172,8 @@ def _checkpointed_block_forward(forward: Callable[..., Any], module: nn.Module, 
 
 def unmark_blocks(model: nn.Module) -> None:
     """Give every block :func:`mark_blocks` marked in ``model`` its class's ``forward`` back."""
-    for cls in {type(module) for module in marked_blocks(model)}:
-        unmark_class(model, cls)
+    for module in model.modules():
+        _unmark(module)
 
 
 def marked_blocks(model: nn.Module) -> list[nn.Module]:
@@ -201,10 +201,14 @@ def uncaptured_block(error: BaseException, classes: Sequence[type[nn.Module]]) -
 def unmark_class(model: nn.Module, cls: type[nn.Module]) -> None:
     """Give the marked instances of ``cls`` in ``model`` their class's ``forward`` back."""
     for module in model.modules():
-        if isinstance(module, cls) and _MARK in module.__dict__:
-            mark = module.__dict__.pop(_MARK)
-            if module.__dict__.get("forward") is mark:
-                del module.__dict__["forward"]
+        if isinstance(module, cls):
+            _unmark(module)
+
+
+def _unmark(module: nn.Module) -> None:
+    mark = module.__dict__.pop(_MARK, None)
+    if mark is not None and module.__dict__.get("forward") is mark:
+        del module.__dict__["forward"]
 
 
 def _outermost(module: nn.Module, classes: tuple[type[nn.Module], ...]) -> Iterator[nn.Module]:

@@ -486,8 +486,7 @@ def _partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     # No common-subexpression pass here: the ONNX translation and ONNX Runtime remove duplicates themselves,
-    # and
-    # functorch's pass imports torch._inductor's pattern matcher, which costs memory and first-call time.
+    # and functorch's pass imports torch._inductor's pattern matcher, which costs memory and first-call time.
     with functorch_config.patch(cse=False):
         forward, backward = min_cut_rematerialization_partition(optimize_joint_graph(joint), joint_inputs, **kwargs)
     saved_from = kwargs["num_fwd_outputs"]
