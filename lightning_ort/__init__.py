@@ -12,6 +12,7 @@ from importlib.metadata import version
 from lightning_ort.callback import ORTCallback
 from lightning_ort.config import OptimizationLevel, ORTConfig
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
+from lightning_ort.engine.capture import BuildCounts
 from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
 from lightning_ort.errors import (
     BlockError,
@@ -31,6 +32,7 @@ register_strategies()
 
 __all__ = [
     "BlockError",
+    "BuildCounts",
     "CacheStatistics",
     "CaptureError",
     "DebugOptions",

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ort.bench_depth import DepthResult, format_depth_report, probe, run_depth_study
+from lightning_ort.bench_depth import DepthResult, format_depth_report, format_phase_report, probe, run_depth_study
 from lightning_ort.bench_fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
 from lightning_ort.bench_workloads import WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.profiling import KernelProfile
@@ -364,7 +364,9 @@ def format_report(report: BenchReport) -> str:
         "",
     ]
     if report.depth:
-        return "\n".join([*lines, format_depth_report(report.depth, report.depth_width)])
+        return "\n".join(
+            [*lines, format_depth_report(report.depth, report.depth_width), format_phase_report(report.depth)]
+        )
     if report.fsdp is not None:
         return "\n".join([*lines, format_fsdp_report(report.fsdp)])
     width = max([12, *(len(result.workload) + 2 for result in report.workloads)])

@@ -3,8 +3,9 @@
 A GPT-2 style model (Hugging Face ``GPT2LMHeadModel``, dropout off, a batch of 4 x 128 tokens) at each layer
 count. Each runtime's first training step (forward, backward, AdamW) is timed in a fresh process: ORTModule
 with block graphs (``blocks="auto"``: the layers share one exported graph), ORTModule with one graph for the
-whole model, and ``torch.compile`` (inductor) with an empty cache. A further process per depth alternates
-steady steps of eager PyTorch and both ORTModules, so their step-time ratios come from one run.
+whole model, and ``torch.compile`` (inductor) with an empty cache; the ORTModules' statistics say where
+their first step went. A further process per depth alternates steady steps of eager PyTorch and both
+ORTModules, so their step-time ratios come from one run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.utils import calculate_time_spent
 
 from lightning_ort.bench_workloads import synchronize
 from lightning_ort.module import ORTModule
@@ -32,15 +34,23 @@ FIRST_STEP_RUNTIMES = ("ort_blocks", "ort", "inductor")
 STEADY_RUNTIMES = ("eager", "ort_blocks", "ort")
 """Runtimes whose steady steps alternate in one process."""
 
+PHASES = ("tracing_seconds", "capture_seconds", "translation_seconds", "session_seconds", "export_seconds")
+"""What the ORT probes report of their first step: TorchDynamo's own tracing, and the
+:class:`~lightning_ort.CacheStatistics` times."""
+
 
 @dataclass
 class DepthResult:
-    """One layer count: first steps (s) per runtime, median steady steps (ms), ORTModule's build counts."""
+    """One layer count: first steps (s) per runtime, median steady steps (ms), ORTModule's build counts.
+
+    ``phases`` holds, per ORT runtime, the :data:`PHASES` of its first step (s).
+    """
 
     layers: int
     first_step_s: dict[str, float]
     step_ms: dict[str, float]
     onnx_exports: dict[str, int]
+    phases: dict[str, dict[str, float]]
 
 
 def gpt2_model(layers: int, width: int) -> nn.Module:
@@ -86,9 +96,15 @@ class _Trainee:
     def step(self) -> float:
         return training_step(self.model, self.optimizer, self.ids, self.device)
 
-    @property
-    def onnx_exports(self) -> int:
-        return self.model.statistics.onnx_exports if isinstance(self.model, ORTModule) else 0
+    def first_step(self) -> dict[str, Any]:
+        """The first step's time (s) and, for an ORTModule, its exports and :data:`PHASES`."""
+        measured: dict[str, Any] = {"first_step_s": self.step(), "onnx_exports": 0, "phases": {}}
+        if isinstance(self.model, ORTModule):
+            stats = self.model.statistics
+            measured["onnx_exports"] = stats.onnx_exports
+            measured["phases"] = {phase: getattr(stats, phase) for phase in PHASES if phase != "tracing_seconds"}
+            measured["phases"]["tracing_seconds"] = _dynamo_tracing_seconds()
+        return measured
 
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, device: torch.device) -> float:
@@ -108,8 +124,7 @@ def probe(kind: str, layers: int, width: int, steps: int, device: torch.device) 
     torch.manual_seed(0)
     model = gpt2_model(layers, width).to(device)
     if kind != "steady":
-        trainee = _Trainee(kind, model, device)
-        return {"first_step_s": trainee.step(), "onnx_exports": trainee.onnx_exports}
+        return _Trainee(kind, model, device).first_step()
     trainees = []
     for runtime in STEADY_RUNTIMES:
         trainee = _Trainee(runtime, gpt2_model(layers, width).to(device), device)
@@ -129,12 +144,15 @@ def run_depth_study(layer_counts: Sequence[int], width: int, steps: int, device:
     for layers in layer_counts:
         first: dict[str, float] = {}
         exports: dict[str, int] = {}
+        phases: dict[str, dict[str, float]] = {}
         for runtime in FIRST_STEP_RUNTIMES:
             measured = _run_probe(runtime, layers, width, steps, device)
             first[runtime] = measured["first_step_s"]
             exports[runtime] = measured["onnx_exports"]
+            if measured["phases"]:
+                phases[runtime] = measured["phases"]
         steady = _run_probe("steady", layers, width, steps, device)
-        results.append(DepthResult(layers, first, steady["step_ms"], exports))
+        results.append(DepthResult(layers, first, steady["step_ms"], exports, phases))
     return results
 
 
@@ -173,4 +191,37 @@ def format_depth_report(results: Sequence[DepthResult], width: int) -> str:
             f"first step at {deep.layers} layers against {shallow.layers}: ORT blocks {blocks:.2f}x, ORT whole-model "
             f"graph {whole:.2f}x (exports: with block graphs / whole model)"
         )
+    return "\n".join(lines)
+
+
+def _dynamo_tracing_seconds() -> float:
+    """This process's time in TorchDynamo's frame compiles, less the backend's (ours) within them."""
+    spent = calculate_time_spent()
+    return spent.get("entire_frame_compile", 0.0) - spent.get("backend_compile", 0.0)
+
+
+def format_phase_report(results: Sequence[DepthResult]) -> str:
+    """Where each ORT first step went: TorchDynamo, AOTAutograd, FX-to-ONNX translation, sessions, the rest.
+
+    The rest is mostly the first runs themselves (ONNX Runtime allocating its buffers, AdamW creating its
+    state), plus the export's other work (partitioning, disk cache lookups).
+    """
+    lines = [
+        "where the ORT first step went (s): TorchDynamo tracing, AOTAutograd capture, translation to ONNX, "
+        "ONNX Runtime session creation, and the rest (the first runs)",
+        f"{'layers':>6}  {'graphs':<12}{'first step':>11}{'dynamo':>8}{'capture':>9}{'translate':>11}"
+        f"{'sessions':>10}{'rest':>7}",
+    ]
+    for r in results:
+        for runtime, label in (("ort", "one graph"), ("ort_blocks", "block graphs")):
+            phases = r.phases.get(runtime)
+            if phases is None:
+                continue
+            first = r.first_step_s[runtime]
+            rest = first - phases["tracing_seconds"] - phases["capture_seconds"] - phases["export_seconds"]
+            lines.append(
+                f"{r.layers:>6}  {label:<12}{first:>11.1f}{phases['tracing_seconds']:>8.1f}"
+                f"{phases['capture_seconds']:>9.1f}"
+                f"{phases['translation_seconds']:>11.1f}{phases['session_seconds']:>10.1f}{rest:>7.1f}"
+            )
     return "\n".join(lines)

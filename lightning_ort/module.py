@@ -241,7 +241,7 @@ class ORTModule(nn.Module):
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
-        graphs = self._backend.build_log.graphs
+        graphs = self._backend.build_log.counts.graphs
         try:
             with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback):
                 output = self._compiled(self._original_module, *args, **kwargs)
@@ -249,7 +249,7 @@ class ORTModule(nn.Module):
             self._drop_uncaptured_block(error)
             return self.forward(*args, **kwargs)
         self._calls += 1
-        if self._backend.build_log.graphs != graphs:
+        if self._backend.build_log.counts.graphs != graphs:
             self._building_calls += 1
         return output
 

@@ -21,10 +21,15 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    ModelParallelStrategy,
+    ParallelStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+)
+from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -206,7 +211,8 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
     backward, after which FSDP reduce-scatters the gradients. The code between the blocks (embeddings, head, the
     loss) runs in PyTorch: TorchDynamo does not trace FSDP's hooks, so it cannot capture the network around
     them. Checkpoints are sharded folders by default (``save_distributed_checkpoint=False`` gathers one full
-    file on rank 0); both hold the plain model's keys.
+    file on rank 0); both hold the plain model's keys. A model built under
+    ``trainer.init_module(empty_init=True)`` is materialized once sharded: each rank allocates only its shards.
 
     Takes the ORT arguments of :class:`~lightning_ort.ORTConfig` as keyword arguments, and:
 
@@ -267,22 +273,20 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """Wrap and shard the networks, then set up as every strategy does (precision, device, optimizers).
+
+        ``ModelParallelStrategy.setup`` is skipped: it requires ``configure_model`` to apply the parallelism,
+        which this strategy applies itself.
+        """
         assert self.model is not None
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
         self._wrap_before_setup(trainer)
         self._shard(trainer.lightning_module)
+        # Parameters created under ``trainer.init_module(empty_init=True)`` are allocated once sharded.
+        _materialize_distributed_module(self.model, self.root_device)
         # FSDP's hooks around each block are a graph break TorchDynamo cannot resume from inside the loop over
         # the blocks; that the code around the blocks runs in PyTorch is this strategy's design, not a fallback.
         warnings.filterwarnings("ignore", _SKIPPED_HOOKS, FallbackWarning)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        ParallelStrategy.setup(self, trainer)
 
     def _shard(self, root: pl.LightningModule) -> None:
         """``fully_shard`` every block of every wrapped network, then each network (once: ``setup`` repeats)."""

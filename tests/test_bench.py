@@ -155,7 +155,14 @@ def test_depth_study_times_first_steps_in_fresh_processes(tmp_path: Path) -> Non
     assert all(seconds > 0 for seconds in depth["first_step_s"].values())
     assert set(depth["step_ms"]) == {"eager", "ort_blocks", "ort"}
     assert depth["onnx_exports"]["ort_blocks"] > depth["onnx_exports"]["ort"] > 0, "partitions and block graphs"
+    assert set(depth["phases"]) == {"ort_blocks", "ort"}, "inductor has no ORT statistics"
+    for runtime, phases in depth["phases"].items():
+        parts = phases["translation_seconds"] + phases["session_seconds"]
+        assert 0 < parts <= phases["export_seconds"], phases
+        built = phases["tracing_seconds"] + phases["capture_seconds"] + phases["export_seconds"]
+        assert phases["tracing_seconds"] > 0 and built < depth["first_step_s"][runtime], phases
     assert "blocks/whole" in result.stdout
+    assert "where the ORT first step went" in result.stdout
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_ort.engine.blocks import BlockGraphs
 from lightning_ort.engine.capture import (
     PENDING_WARNINGS,
+    BuildCounts,
     BuildLog,
     BuildOptions,
     CapturedGraph,
@@ -38,57 +39,38 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class CacheStatistics:
-    """What an :class:`~lightning_ort.ORTModule` spent building graphs and how often it reused them.
+class CacheStatistics(BuildCounts):
+    """What an :class:`~lightning_ort.ORTModule` spent building graphs and how often it reused and ran them.
+
+    It holds the build times and counts of :class:`~lightning_ort.BuildCounts` (``export_seconds``,
+    ``capture_seconds``, ``onnx_exports``, ``graph_breaks``...) and these:
 
     Attributes:
-        export_seconds: wall time spent turning captured graphs into ONNX Runtime sessions: ONNX export (or
-            loading from ``cache_dir``) and session creation.
-        capture_seconds: wall time spent in AOTAutograd (tracing, decomposition, forward/backward partitioning)
-            for the graphs TorchDynamo handed over. The first-call cost of a graph is ``capture_seconds +
-            export_seconds`` (see :attr:`build_seconds`), plus TorchDynamo's own tracing.
         cache_hits: forward calls that built no graph.
         cache_misses: forward calls that built at least one graph (a first call, or a recompilation).
         cached_graphs: TorchDynamo graphs currently held, each with its ONNX Runtime sessions.
         forward_runs: ONNX Runtime runs of forward and inference graphs.
         backward_runs: ONNX Runtime runs of backward graphs.
-        onnx_exports: graphs (or graph partitions) translated to ONNX.
-        disk_cache_loads: graphs (or partitions) loaded from ``cache_dir`` instead of being exported.
-        fallback_ops: ops of the built graphs that run in PyTorch because ONNX cannot express them.
-        eager_signatures: TorchDynamo graphs that run entirely in PyTorch (ONNX Runtime could not build them).
-        graphs: TorchDynamo graphs built so far; more than one per call means graph breaks.
         block_graphs: block graphs built: one per distinct repeated block (and input signature) and pass
             (forward, backward, inference), each exported and loaded into ONNX Runtime once.
         block_reuses: block instances served by a block graph built for another instance.
-        graph_breaks: graph breaks TorchDynamo reported: Python it could not trace, run in PyTorch between graphs.
-        recompile_limit_hits: code TorchDynamo stopped compiling after too many recompilations (it runs in
-            PyTorch from then on).
 
     Example:
-        >>> CacheStatistics().cache_hits
-        0
+        >>> CacheStatistics(capture_seconds=1.0, export_seconds=2.0).build_seconds
+        3.0
     """
 
-    export_seconds: float = 0.0
-    capture_seconds: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
     cached_graphs: int = 0
     forward_runs: int = 0
     backward_runs: int = 0
-    onnx_exports: int = 0
-    disk_cache_loads: int = 0
-    fallback_ops: int = 0
-    eager_signatures: int = 0
-    graphs: int = 0
     block_graphs: int = 0
     block_reuses: int = 0
-    graph_breaks: int = 0
-    recompile_limit_hits: int = 0
 
     @property
     def build_seconds(self) -> float:
-        """Everything spent building graphs: ``capture_seconds + export_seconds``."""
+        """A graph's first-call cost, without TorchDynamo's own tracing: ``capture_seconds + export_seconds``."""
         return self.capture_seconds + self.export_seconds
 
 
@@ -139,7 +121,7 @@ class ORTBackend:
         graph = CapturedGraph(gm, example_inputs, self._owner, tag, self._options, self._log, self._blocks)
         compiled = graph.compile()
         self._graphs.append(graph)
-        self._log.graphs += 1
+        self._log.add(graphs=1)
         return compiled
 
     def runners(self) -> Iterator[tuple[str, GraphRunner]]:
@@ -169,7 +151,7 @@ class ORTBackend:
             block_reuses=self._blocks.reused,
             forward_runs=forward,
             backward_runs=backward,
-            **dataclasses.asdict(self._log),
+            **dataclasses.asdict(self._log.counts),
         )
 
     def _run_counts(self) -> tuple[int, int]:
@@ -316,7 +298,7 @@ class DynamoEvents:
         for reason, count in counters["graph_break"].items():
             new = count - self._breaks.get(reason, 0)
             if new > 0:
-                self._log.graph_breaks += new
+                self._log.add(graph_breaks=new)
                 warn(
                     f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
                     f"{first_line(reason)}. That code runs in PyTorch; the graphs on both sides run in ONNX "
@@ -325,7 +307,7 @@ class DynamoEvents:
                     FallbackWarning,
                 )
         for limit, value, function, reason in _LIMIT_HITS:
-            self._log.recompile_limit_hits += 1
+            self._log.add(recompile_limit_hits=1)
             warn(
                 f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
                 f"torch._dynamo.config.{limit} ({value}) recompiling it, last because {reason}. A value that "

@@ -14,10 +14,12 @@ updates back; TorchDynamo's guards decide when a graph is reused.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,17 +72,39 @@ class BuildOptions:
     disk_cache: DiskCache | None = None
 
 
-@dataclass
-class BuildLog:
-    """What building graphs cost and how it went, accumulated over the graphs of one backend.
+@dataclass(frozen=True)
+class BuildCounts:
+    """What building graphs cost and how it went: the counts that capture and export add up.
+
+    :class:`~lightning_ort.CacheStatistics` extends these with the counts of calls and runs.
+
+    Attributes:
+        capture_seconds: wall time spent in AOTAutograd (tracing, decomposition, forward/backward partitioning)
+            for the graphs TorchDynamo handed over.
+        export_seconds: wall time spent turning captured graphs into ONNX Runtime sessions: ONNX export (or
+            loading from ``cache_dir``), splitting around ops ONNX cannot express, and session creation.
+        translation_seconds: the part of ``export_seconds`` spent translating FX graphs to ONNX and optimizing the
+            ONNX models.
+        session_seconds: the part of ``export_seconds`` spent creating ONNX Runtime sessions (ONNX Runtime's
+            graph optimizations and kernel selection).
+        onnx_exports: graphs (or graph partitions) translated to ONNX.
+        disk_cache_loads: graphs (or partitions) loaded from ``cache_dir`` instead of being exported.
+        fallback_ops: ops of the built graphs that run in PyTorch because ONNX cannot express them.
+        eager_signatures: TorchDynamo graphs that run entirely in PyTorch (ONNX Runtime could not build them).
+        graphs: TorchDynamo graphs built so far; more than one per call means graph breaks.
+        graph_breaks: graph breaks TorchDynamo reported: Python it could not trace, run in PyTorch between graphs.
+        recompile_limit_hits: code TorchDynamo stopped compiling after too many recompilations (it runs in
+            PyTorch from then on).
 
     Example:
-        >>> BuildLog().onnx_exports
+        >>> BuildCounts().onnx_exports
         0
     """
 
     capture_seconds: float = 0.0
     export_seconds: float = 0.0
+    translation_seconds: float = 0.0
+    session_seconds: float = 0.0
     onnx_exports: int = 0
     disk_cache_loads: int = 0
     fallback_ops: int = 0
@@ -88,6 +112,41 @@ class BuildLog:
     graphs: int = 0
     graph_breaks: int = 0
     recompile_limit_hits: int = 0
+
+
+class BuildLog:
+    """Adds up :class:`BuildCounts` over the graphs of one backend.
+
+    Example:
+        >>> build_log = BuildLog()
+        >>> build_log.add(onnx_exports=1)
+        >>> with build_log.timed("session_seconds"):
+        ...     pass
+        >>> build_log.counts.onnx_exports, build_log.counts.session_seconds >= 0
+        (1, True)
+    """
+
+    def __init__(self) -> None:
+        self._counts = BuildCounts()
+
+    @property
+    def counts(self) -> BuildCounts:
+        """The counts so far."""
+        return self._counts
+
+    def add(self, **amounts: float) -> None:
+        """Add ``amounts`` to the counts of the same names."""
+        totals = {name: getattr(self._counts, name) + amount for name, amount in amounts.items()}
+        self._counts = dataclasses.replace(self._counts, **totals)
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` block to the count ``name`` (also when the block raises)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{name: time.perf_counter() - start})
 
 
 GraphRunner = GraphSession | PartitionedGraph
@@ -134,7 +193,7 @@ class CapturedGraph:
         A graph ONNX Runtime cannot build at all (an export failure that names no op) runs in PyTorch with a
         :class:`FallbackWarning`, or raises under ``fallback="raise"``.
         """
-        start, exported_before = time.perf_counter(), self._log.export_seconds
+        start, exported_before = time.perf_counter(), self._log.counts.export_seconds
         substitute_functions(self._gm)
         backend = aot_autograd(
             fw_compiler=self._compiler("forward"),
@@ -167,7 +226,7 @@ class CapturedGraph:
                     first_line(err),
                 )
                 return PerShapeGraphs(self)
-            self._log.eager_signatures += 1
+            self._log.add(eager_signatures=1)
             warn_fallback(
                 f"lightning_ort: {self._owner} runs in PyTorch for one of its graphs: ONNX Runtime could not build "
                 f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, onnx_prefix='model', "
@@ -175,8 +234,8 @@ class CapturedGraph:
             )
             return self._gm.forward
         finally:
-            exported = self._log.export_seconds - exported_before
-            self._log.capture_seconds += time.perf_counter() - start - exported
+            exported = self._log.counts.export_seconds - exported_before
+            self._log.add(capture_seconds=time.perf_counter() - start - exported)
         return compiled
 
     def _traced_by_aot(self, backend: Callable[..., Any]) -> Callable[..., Any]:
@@ -204,14 +263,14 @@ class CapturedGraph:
         tag = f"{self._tag}_static{index}" if self._tag else f"static{index}"
         static = CapturedGraph(self._gm, list(args), self._owner, tag, self._options, self._log, self._blocks)
         static.runners = self.runners
-        self._log.graphs += 1
+        self._log.add(graphs=1)
         return static.compile()
 
     def _compiler(self, kind: str) -> AOTDispatchCompiler:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner:
             name = kind if not self._tag else f"{kind}_{self._tag}"
             start = time.perf_counter()
-            with torch.random.fork_rng(devices=_rng_devices(self._device)):
+            with torch.random.fork_rng(devices=_rng_devices(self._device)), self._log.timed("export_seconds"):
                 try:
                     runner = self._build(gm, example_inputs, name, kind)
                 except (ExportError, SessionError) as err:
@@ -219,8 +278,6 @@ class CapturedGraph:
                     if kind == "backward":
                         self._backward_failure = failure
                     raise failure from err
-                finally:
-                    self._log.export_seconds += time.perf_counter() - start
             log.info(
                 "built %s graph of %s in %.2fs (providers %s)",
                 name,
@@ -279,7 +336,7 @@ class CapturedGraph:
                 unsupported = {**unsupported, **self._failing_nodes(gm, unsupported, err)}
                 continue
             if unsupported:
-                self._log.fallback_ops += len(unsupported)
+                self._log.add(fallback_ops=len(unsupported))
                 warn_fallback(
                     f"lightning_ort: {self._owner}'s {name} graph runs {len(unsupported)} op(s) in "
                     f"PyTorch: {describe_ops(gm, unsupported)}. The rest runs in ONNX Runtime ({len(sessions)} "
@@ -363,7 +420,7 @@ class CapturedGraph:
             for partition in partitions:
                 sub = getattr(split, partition)
                 examples = [node.meta["val"] for node in sub.graph.nodes if node.op == "placeholder"]
-                self._open(export_graph(sub, examples, "probe", verbose=False))
+                self._open(self._translate(sub, examples, "probe", verbose=False))
         except (ExportError, SessionError):
             return False
         return True
@@ -383,7 +440,7 @@ class CapturedGraph:
         key = disk.key(gm, example_inputs, self._device, provider_names(self._device, self._options.settings))
         graph = disk.load(key, name)
         if graph is not None:
-            self._log.disk_cache_loads += 1
+            self._log.add(disk_cache_loads=1)
         return key, graph
 
     def _export(
@@ -391,14 +448,26 @@ class CapturedGraph:
     ) -> ExportedGraph:
         """Export ``gm``; save it in the disk cache under ``key`` when there is one."""
         verbose = LogLevel(self._options.debug.log_level).ort_severity == 0
-        graph = export_graph(gm, example_inputs, name, verbose, saved_from=gm.meta.get(_SAVED_FROM))
-        self._log.onnx_exports += 1
+        graph = self._translate(gm, example_inputs, name, verbose, saved_from=gm.meta.get(_SAVED_FROM))
+        self._log.add(onnx_exports=1)
         if key is not None and self._options.disk_cache is not None:
             self._options.disk_cache.store(key, graph)
         return graph
 
+    def _translate(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        name: str,
+        verbose: bool,
+        saved_from: int | None = None,
+    ) -> ExportedGraph:
+        with self._log.timed("translation_seconds"):
+            return export_graph(gm, example_inputs, name, verbose, saved_from)
+
     def _open(self, graph: ExportedGraph) -> GraphSession:
-        return GraphSession(graph, self._device, self._options.settings, self._options.debug)
+        with self._log.timed("session_seconds"):
+            return GraphSession(graph, self._device, self._options.settings, self._options.debug)
 
 
 _AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"

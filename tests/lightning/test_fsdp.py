@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "ort": _run(root / "ort", "--strategy", "ort_fsdp"),
         "checkpointed": _run(root / "checkpointed", "--strategy", "ort_fsdp", "--checkpointing", "--full"),
         "resumed": _run(root / "resumed", "--strategy", "ort_fsdp", "--resume", str(root / "plain" / "final.ckpt")),
+        "empty_init": _run(root / "empty_init", "--strategy", "ort_fsdp", "--empty-init"),
     }
 
 
@@ -106,3 +108,15 @@ def test_a_plain_checkpoint_resumes_under_ort_fsdp(runs: dict[str, Any]) -> None
     for record in runs["resumed"]:
         assert len(record["losses"]) == 1
         assert abs(record["losses"][0] - expected) <= 1e-4, "the resumed step starts from the plain weights"
+
+
+def test_a_model_built_on_the_meta_device_is_materialized_sharded_and_trains(runs: dict[str, Any]) -> None:
+    full = sum(p.numel() * p.element_size() for p in BlockLM().parameters())
+    ranks = runs["empty_init"]
+    assert ranks[0]["losses"] == ranks[1]["losses"], "ranks disagree"
+    losses = ranks[0]["losses"]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+    for record in ranks:
+        assert abs(record["parameter_bytes"] - full / 2) <= 0.02 * full, "materialized as shards"
+        stats = record["wrapped"]["net"]
+        assert stats["forward_runs"] == stats["backward_runs"] == 4 * STEPS

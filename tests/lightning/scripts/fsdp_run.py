@@ -6,7 +6,8 @@ Strategies: ``ort_fsdp`` (:class:`~lightning_ort.ORTFSDPStrategy`), ``fsdp`` (pl
 ``ModelParallelStrategy`` with ``fully_shard`` per block in ``configure_model``) and ``ddp``. Every rank writes
 ``DIR/rank<R>.json`` (losses, local parameter bytes, ORT statistics); the run ends with
 ``trainer.save_checkpoint(DIR/final.ckpt)``: a folder of shards, or one file with ``--full``. ``--resume F``
-starts from checkpoint ``F`` (trained one step further from it).
+starts from checkpoint ``F`` (trained one step further from it). ``--empty-init`` builds the model under
+``trainer.init_module(empty_init=True)`` (parameters on the meta device until the strategy materializes them).
 """
 
 from __future__ import annotations
@@ -32,13 +33,20 @@ from tests.lightning.models import token_dataset
 from tests.lightning.scripts import ddp_run
 
 
+class Attention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` with the ``reset_parameters`` that materializing a meta-device model calls."""
+
+    def reset_parameters(self) -> None:
+        self._reset_parameters()
+
+
 class Layer(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         # No projection biases: the key bias has no gradient, and AdamW turns its rounding noise into updates
         # that differ between any two implementations.
-        self.attention = nn.MultiheadAttention(width, 4, bias=False, batch_first=True)
+        self.attention = Attention(width, 4, bias=False, batch_first=True)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
 
@@ -130,9 +138,10 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--empty-init", action="store_true")
     args = parser.parse_args()
     strategy: Any = args.strategy
-    model: BlockLM = BlockLM()
+    model_class = BlockLM
     if args.strategy == "ort_fsdp":
         strategy = lightning_ort.ORTFSDPStrategy(
             activation_checkpointing=args.checkpointing, save_distributed_checkpoint=not args.full
@@ -141,9 +150,8 @@ def main() -> None:
         strategy = ModelParallelStrategy(
             data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
         )
-        model = ShardedBlockLM()
+        model_class = ShardedBlockLM
     pl.seed_everything(0, workers=True)
-    model.load_state_dict(BlockLM().state_dict())  # every strategy starts from the same weights
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -157,6 +165,12 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[Recorder(args.out)],
     )
+    if args.empty_init:
+        with trainer.init_module(empty_init=True):
+            model = model_class()
+    else:
+        model = model_class()
+        model.load_state_dict(BlockLM().state_dict())  # every strategy starts from the same weights
     trainer.fit(model, ckpt_path=args.resume)
     trainer.save_checkpoint(args.out / "final.ckpt")
 
