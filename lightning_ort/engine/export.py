@@ -11,12 +11,15 @@ Three steps, in :func:`export_graph`:
    instead: inputs returned as they are (parameters, dropout masks saved for backward) and reshapes of saved
    tensors, replayed as views.
 3. ``torch.onnx.export(..., dynamo=True)`` translates the graph (a failure names the op and the module), and
-   :func:`~lightning_ort.engine.onnx_passes.simplify` folds its constants.
+   :func:`~lightning_ort.engine.onnx_passes.simplify` folds its constants. The exporter's table of ONNX
+   translations (:func:`onnx_registry`) is built once per process, not once per graph.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import io
 import logging
 import operator
@@ -33,6 +36,10 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode, tracing
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.onnx import ONNXProgram
+from torch.onnx._constants import ONNX_DEFAULT_OPSET
+from torch.onnx._internal.exporter._core import export as onnx_export_core
+from torch.onnx._internal.exporter._registration import ONNXRegistry
 from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.dynamic import Symbols, is_symbolic, symbolic_dims
@@ -105,9 +112,7 @@ def export_graph(
         # Not inside the capture's tracing context or fake mode: the ONNX optimizer folds constants with real
         # tensors (a graph's tensor constants, such as T5's relative-position buckets).
         with quiet_exporter(verbose), tracing(None), unset_fake_temporarily():
-            program = torch.onnx.export(
-                gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes
-            )
+            program = _translate(gm, inputs, verbose, dynamic_shapes)
             if program is not None:
                 simplify(program.model)
     except Exception as err:
@@ -151,6 +156,43 @@ def _size_symbols(values: Sequence[Any]) -> Symbols:
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                 symbols.setdefault(size.node.expr, (index, dim))
     return symbols
+
+
+@functools.cache
+def onnx_registry() -> ONNXRegistry:
+    """The exporter's table of ONNX translations at ``torch.onnx.export``'s default opset, built once.
+
+    ``torch.onnx.export`` builds it again on every call (it indexes every torchlib function); the translation
+    never changes it, so one table serves every graph of the process.
+    """
+    with quiet_exporter(verbose=False):
+        return ONNXRegistry.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
+
+
+def _translate(
+    gm: torch.fx.GraphModule, inputs: tuple[Any, ...], verbose: bool, dynamic_shapes: tuple[Any, ...] | None
+) -> ONNXProgram | None:
+    """``torch.onnx.export(gm, inputs, dynamo=True, optimize=False)``, with the translation table built once.
+
+    That is ``torch.onnx.export``'s own path less its argument conversions, which do nothing for tensor inputs
+    and ``Dim`` dynamic shapes. A ``torch`` whose exporter entry point takes other arguments gets the public call.
+    """
+    if _EXPORT_TAKES_REGISTRY:
+        return onnx_export_core(
+            gm,
+            inputs,
+            registry=onnx_registry(),
+            dynamic_shapes=dynamic_shapes,
+            verbose=verbose,
+            optimize=False,
+            opset_version=ONNX_DEFAULT_OPSET,
+        )
+    return torch.onnx.export(gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes)
+
+
+_EXPORT_TAKES_REGISTRY = {"registry", "dynamic_shapes", "verbose", "optimize", "opset_version"} <= set(
+    inspect.signature(onnx_export_core).parameters
+)
 
 
 def _dynamic_dims(value: torch.Tensor) -> dict[int, Any] | None:

@@ -23,7 +23,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lightning_ort.engine.blocks import BlockCall
-from lightning_ort.engine.export import copy_graph_module, quiet_exporter
+from lightning_ort.engine.export import copy_graph_module, onnx_registry
 from lightning_ort.engine.replacements import DROPOUT_KEEP
 from lightning_ort.engine.session import GraphSession
 from lightning_ort.errors import node_origin
@@ -224,10 +224,8 @@ class _NodeSupport(OperatorSupportBase):
 @functools.cache
 def _onnx_coverage() -> frozenset[Any]:
     """Ops the exporter translates, plus those it decomposes first (the same tables ``torch.onnx.export`` uses)."""
-    from torch.onnx._internal.exporter import _decomp, _registration
+    from torch.onnx._internal.exporter import _decomp
 
-    with quiet_exporter(verbose=False):
-        registry = _registration.ONNXRegistry.from_torchlib()
-    translated = _decomp.get_onnx_implemented_overloads(registry)
+    translated = _decomp.get_onnx_implemented_overloads(onnx_registry())
     decomposed = _decomp.create_onnx_friendly_decomposition_table(set(translated))
     return frozenset(translated) | frozenset(decomposed) | {DROPOUT_KEEP}  # lifted before export

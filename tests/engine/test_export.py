@@ -1,4 +1,5 @@
-"""Lifted random inputs (``Noise``): exact keep probabilities, reproducible with ``torch.manual_seed``."""
+"""The export: lifted random inputs (``Noise``, exact keep probabilities, reproducible with
+``torch.manual_seed``) and the translation table shared by every graph."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.onnx._internal.exporter._registration import ONNXRegistry
 
+from lightning_ort import ORTModule
 from lightning_ort.engine.decompositions import capture_decompositions
-from lightning_ort.engine.export import export_graph
+from lightning_ort.engine.export import export_graph, onnx_registry
 from lightning_ort.engine.noise import Noise
 
 CPU = torch.device("cpu")
@@ -68,3 +71,22 @@ def test_graphs_on_cuda_get_their_noise_inputs_on_cuda() -> None:
     graph = export_graph(gm, [x, w], "forward", verbose=False)
     assert [noise.kind for noise in graph.noise] == ["threshold"]
     assert len(graph.model.graph.input) == 3
+
+
+def test_the_translation_table_is_built_once_for_every_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    builds: list[int] = []
+    build = ONNXRegistry.from_torchlib
+
+    def counted(**kwargs: object) -> ONNXRegistry:
+        builds.append(1)
+        return build(**kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ONNXRegistry, "from_torchlib", staticmethod(counted))
+    onnx_registry.cache_clear()
+    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)))
+    model(torch.randn(3, 4)).sum().backward()
+    with torch.no_grad():
+        model(torch.randn(3, 4))
+    assert model.statistics.onnx_exports == 3, "forward, backward and inference graphs"
+    assert model.statistics.forward_runs == 2 and model.statistics.backward_runs == 1
+    assert len(builds) == 1
