@@ -12,7 +12,8 @@ Three steps, in :func:`export_graph`:
    tensors, replayed as views.
 3. ``torch.onnx.export(..., dynamo=True)`` translates the graph (a failure names the op and the module), and
    :func:`~lightning_ort.engine.onnx_passes.simplify` folds its constants. The exporter's table of ONNX
-   translations (:func:`onnx_registry`) is built once per process, not once per graph.
+   translations (:func:`onnx_registry`) is built once per process, and its decomposition pass runs only for
+   graphs with ops it has no translation for (:func:`_translate`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ from torch._guards import detect_fake_mode, tracing
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.onnx import ONNXProgram
 from torch.onnx._constants import ONNX_DEFAULT_OPSET
+from torch.onnx._internal._lazy_import import onnxscript_apis
+from torch.onnx._internal.exporter._core import _exported_program_to_onnx_program as exported_program_to_onnx_program
 from torch.onnx._internal.exporter._core import export as onnx_export_core
+from torch.onnx._internal.exporter._decomp import get_onnx_implemented_overloads
+from torch.onnx._internal.exporter._fx_passes import insert_type_promotion_nodes, remove_assertion_nodes
 from torch.onnx._internal.exporter._registration import ONNXRegistry
 from torch.utils._sympy.functions import FloorDiv
 
@@ -172,22 +177,48 @@ def onnx_registry() -> ONNXRegistry:
 def _translate(
     gm: torch.fx.GraphModule, inputs: tuple[Any, ...], verbose: bool, dynamic_shapes: tuple[Any, ...] | None
 ) -> ONNXProgram | None:
-    """``torch.onnx.export(gm, inputs, dynamo=True, optimize=False)``, with the translation table built once.
+    """``torch.onnx.export(gm, inputs, dynamo=True, optimize=False)``, less the work our graphs do not need.
 
-    That is ``torch.onnx.export``'s own path less its argument conversions, which do nothing for tensor inputs
-    and ``Dim`` dynamic shapes. A ``torch`` whose exporter entry point takes other arguments gets the public call.
+    ``torch.onnx.export`` traces the graph with ``torch.export``, traces it again to decompose the ops ONNX has
+    no translation for, and translates the result with a table of translations it builds for the call. Our
+    graphs are core ATen already: when every op of the traced program has a translation, the decomposition
+    would change nothing and is skipped, and the table is built once per process (:func:`onnx_registry`).
+    Other graphs take the exporter's own path from the traced program on. A ``torch`` whose exporter entry
+    point takes other arguments gets the public call.
     """
-    if _EXPORT_TAKES_REGISTRY:
-        return onnx_export_core(
-            gm,
-            inputs,
-            registry=onnx_registry(),
-            dynamic_shapes=dynamic_shapes,
-            verbose=verbose,
-            optimize=False,
-            opset_version=ONNX_DEFAULT_OPSET,
+    if not _EXPORT_TAKES_REGISTRY:
+        return torch.onnx.export(
+            gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes
         )
-    return torch.onnx.export(gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes)
+    registry = onnx_registry()
+    program = torch.export.export(gm, inputs, dynamic_shapes=dynamic_shapes, strict=False)
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    if not targets <= _translated_ops():
+        return onnx_export_core(
+            program, registry=registry, verbose=verbose, optimize=False, opset_version=ONNX_DEFAULT_OPSET
+        )
+    insert_type_promotion_nodes(program.graph_module)
+    remove_assertion_nodes(program.graph_module)
+    onnx_program = exported_program_to_onnx_program(program, registry=registry)
+    onnx_program.model = onnxscript_apis.convert_version(onnx_program.model, ONNX_DEFAULT_OPSET)
+    return onnx_program
+
+
+@functools.cache
+def _translated_ops() -> frozenset[Any]:
+    """The ops :func:`onnx_registry` translates, and the checks the exporter removes before translating."""
+    return frozenset(get_onnx_implemented_overloads(onnx_registry())) | _ASSERTIONS
+
+
+_ASSERTIONS = frozenset(
+    {
+        aten.sym_constrain_range_for_size.default,
+        aten._assert_async.default,
+        aten._assert_async.msg,
+        aten._assert_scalar.default,
+        aten._assert_tensor_metadata.default,
+    }
+)
 
 
 _EXPORT_TAKES_REGISTRY = {"registry", "dynamic_shapes", "verbose", "optimize", "opset_version"} <= set(

@@ -1,5 +1,6 @@
 """The export: lifted random inputs (``Noise``, exact keep probabilities, reproducible with
-``torch.manual_seed``) and the translation table shared by every graph."""
+``torch.manual_seed``), the translation table shared by every graph, and the exporter's decomposition pass
+run only for graphs with ops it decomposes."""
 
 from __future__ import annotations
 
@@ -90,3 +91,45 @@ def test_the_translation_table_is_built_once_for_every_graph(monkeypatch: pytest
     assert model.statistics.onnx_exports == 3, "forward, backward and inference graphs"
     assert model.statistics.forward_runs == 2 and model.statistics.backward_runs == 1
     assert len(builds) == 1
+
+
+class _SqueezeDims(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.squeeze(self.linear(x), dim=(1,))  # aten.squeeze.dims: the exporter decomposes it
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "decomposed"),
+    [
+        (torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)), (3, 4), False),
+        (_SqueezeDims(), (3, 1, 4), True),
+    ],
+    ids=["translated-ops-only", "an-op-to-decompose"],
+)
+def test_the_decomposition_pass_runs_only_for_graphs_that_need_it(
+    model: torch.nn.Module, shape: tuple[int, ...], decomposed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[int] = []
+    decompose = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self: torch.export.ExportedProgram, *args: object, **kwargs: object) -> object:
+        runs.append(1)
+        return decompose(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    x = torch.randn(*shape, requires_grad=True)
+    wrapped = ORTModule(model)
+    out = wrapped(x)
+    out.sum().backward()
+    expected_x = x.detach().clone().requires_grad_()
+    expected = model(expected_x)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, expected_x.grad, rtol=1e-5, atol=1e-6)
+    assert wrapped.statistics.fallback_ops == 0
+    assert wrapped.statistics.forward_runs == wrapped.statistics.backward_runs == 1
+    assert bool(runs) == decomposed, runs
