@@ -39,11 +39,6 @@ from torch._guards import detect_fake_mode, tracing
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.onnx import ONNXProgram
 from torch.onnx._constants import ONNX_DEFAULT_OPSET
-from torch.onnx._internal._lazy_import import onnxscript_apis
-from torch.onnx._internal.exporter._core import _exported_program_to_onnx_program as exported_program_to_onnx_program
-from torch.onnx._internal.exporter._core import export as onnx_export_core
-from torch.onnx._internal.exporter._decomp import get_onnx_implemented_overloads
-from torch.onnx._internal.exporter._fx_passes import insert_type_promotion_nodes, remove_assertion_nodes
 from torch.onnx._internal.exporter._registration import ONNXRegistry
 from torch.utils._sympy.functions import FloorDiv
 
@@ -64,6 +59,21 @@ from lightning_ort.errors import ExportError, first_line, node_origin
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+
+try:
+    from torch.onnx._internal._lazy_import import onnxscript_apis
+    from torch.onnx._internal.exporter._core import (
+        _exported_program_to_onnx_program as exported_program_to_onnx_program,
+    )
+    from torch.onnx._internal.exporter._core import export as onnx_export_core
+    from torch.onnx._internal.exporter._decomp import get_onnx_implemented_overloads
+    from torch.onnx._internal.exporter._fx_passes import insert_type_promotion_nodes, remove_assertion_nodes
+except ImportError:  # an exporter laid out otherwise: the public call
+    _EXPORT_TAKES_REGISTRY = False
+else:
+    _EXPORT_TAKES_REGISTRY = {"registry", "dynamic_shapes", "verbose", "optimize", "opset_version"} <= set(
+        inspect.signature(onnx_export_core).parameters
+    )
 
 
 @dataclass
@@ -184,7 +194,7 @@ def _translate(
     graphs are core ATen already: when every op of the traced program has a translation, the decomposition
     would change nothing and is skipped, and the table is built once per process (:func:`onnx_registry`).
     Other graphs take the exporter's own path from the traced program on. A ``torch`` whose exporter entry
-    point takes other arguments gets the public call.
+    point takes other arguments, or whose exporter lacks these steps, gets the public call.
     """
     if not _EXPORT_TAKES_REGISTRY:
         return torch.onnx.export(
@@ -218,11 +228,6 @@ _ASSERTIONS = frozenset(
         aten._assert_scalar.default,
         aten._assert_tensor_metadata.default,
     }
-)
-
-
-_EXPORT_TAKES_REGISTRY = {"registry", "dynamic_shapes", "verbose", "optimize", "opset_version"} <= set(
-    inspect.signature(onnx_export_core).parameters
 )
 
 
