@@ -14,6 +14,7 @@ updates back; TorchDynamo's guards decide when a graph is reused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -206,7 +207,7 @@ class CapturedGraph:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
             # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
             # translation, and their auxiliary outputs do not survive the export.
-            with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(_AOT_GRAPH_COMPILE_LOG):
+            with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(_AOT_GRAPH_COMPILE_LOG), _tangents_by_format():
                 compiled = self._traced_by_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
@@ -471,6 +472,19 @@ class CapturedGraph:
 
 
 _AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"
+
+
+def _tangents_by_format() -> contextlib.AbstractContextManager[None]:
+    """AOTAutograd traces tangents by memory format (contiguous, channels-last), not by the outputs' strides.
+
+    With strides, AOTAutograd copies each incoming gradient into an empty tensor of its output's strides
+    (``empty_strided(...).copy_(grad)``). For an output whose elements overlap in memory, such as
+    ``h.unfold(1, 6, 4)`` or an overlapping ``as_strided`` view of an intermediate, that copy keeps one of the
+    gradients that share an element and drops the others: the backward then computes wrong gradients without
+    an error. AOTAutograd only recognises overlap through stride 0 (``expand``). ONNX graphs have no strides,
+    so the tangents' layout costs nothing here, and a memory format never loses values.
+    """
+    return functorch_config.patch(guess_tangent_strides_as_outputs=False)
 
 
 class _OwnFailuresUnlogged(logging.Filter):

@@ -13,6 +13,7 @@ Core ATen decompositions, plus:
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
 * on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``;
+* ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
 
@@ -325,6 +326,29 @@ def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold:
     return grad_output * (self > threshold).to(grad_output.dtype)
 
 
+def addmm(
+    input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
+    """``beta * input`` for a product over an empty inner dimension (``mat1`` with 0 columns).
+
+    ONNX Runtime's CPU ``Gemm`` returns ``input`` unscaled when the inner dimension is 0, ignoring ``beta``.
+    Other shapes keep ATen's ``addmm`` (``Gemm`` in ONNX).
+
+    Example:
+        >>> bias = torch.ones(2, 3)
+        >>> addmm(bias, torch.empty(2, 0), torch.empty(0, 3), beta=0.5)
+        tensor([[0.5000, 0.5000, 0.5000],
+                [0.5000, 0.5000, 0.5000]])
+    """
+    inner = mat1.shape[1]
+    if not isinstance(inner, int) or inner != 0:
+        return NotImplemented
+    shape = (mat1.shape[0], mat2.shape[1])
+    if beta == 0:  # ATen ignores input then, NaNs included
+        return input.new_zeros(shape)
+    return (input * beta).expand(shape).clone()
+
+
 def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Softmax that gives zeros, not NaNs, on rows that are entirely ``-inf`` (SDPA's masked rows).
 
@@ -506,6 +530,7 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
             ]
         ),
         aten._safe_softmax.default: safe_softmax,
+        aten.addmm.default: addmm,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,

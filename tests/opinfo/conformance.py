@@ -1,8 +1,13 @@
 """PyTorch's OpInfo database run through ORTModule: forward, input gradients and input mutations against eager.
 
-Each op's first float32 CPU sample is wrapped in a module of its own (tensor arguments become forward
-arguments, the rest are constants) inside a fresh :class:`~lightning_ort.ORTModule`, and called once with a
-backward. An op ends as one of:
+Each op's largest float32 CPU sample (of its first few) is wrapped in a module of its own (tensor arguments
+become forward arguments, the rest are constants) inside a fresh :class:`~lightning_ort.ORTModule`, and called
+once with a backward. With ``in_model=True`` (``--in-model``) each floating-point argument that requires grad
+first passes through a layer with a parameter (an elementwise scale of ones, which keeps the sample's values):
+the op then reads an intermediate of the graph, not a graph input, as it does inside a model, and its outputs
+can be views of that intermediate. Views of inputs and views of intermediates take different paths through
+AOTAutograd (a view of an intermediate is an output of the graph whose gradient comes back in as a tangent), so
+both modes are needed. An op ends as one of:
 
 * ``pass``: outputs, input gradients and mutated inputs match eager, and everything ran in ONNX Runtime;
 * ``fallback``: they match, but some ops (or the whole graph) ran in PyTorch, with a warning;
@@ -18,6 +23,7 @@ per-op timeout and prints the table; ``--ops`` picks ops by name. ``tests/opinfo
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import sys
@@ -96,7 +102,9 @@ ONCE_FAILING = (
     "qr",
     "cumprod",
     "masked.cumprod",
+    "unfold",
     "unfold_copy",
+    "as_strided",
     "diagonal_copy",
     "cholesky_inverse",
     "linalg.vander",
@@ -145,19 +153,28 @@ class OpModule(nn.Module):
     Args:
         op: the OpInfo's callable.
         sample: the sample whose non-tensor arguments become constants.
+        in_model: scale each floating-point argument that requires grad by a parameter of ones first.
     """
 
-    def __init__(self, op: Any, sample: Any) -> None:
+    def __init__(self, op: Any, sample: Any, in_model: bool = False) -> None:
         super().__init__()
         leaves, self._spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
         self._op = op
         self._tensor_at = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self._constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.scales = nn.ParameterDict(
+            {
+                str(position): nn.Parameter(torch.ones_like(leaves[index]))
+                for position, index in enumerate(self._tensor_at)
+                if in_model and leaves[index].is_floating_point() and leaves[index].requires_grad
+            }
+        )
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         leaves = list(self._constants)
-        for index, tensor in zip(self._tensor_at, tensors):
-            leaves[index] = tensor
+        for position, (index, tensor) in enumerate(zip(self._tensor_at, tensors)):
+            scale = self.scales.get(str(position))
+            leaves[index] = tensor if scale is None else tensor * scale
         first, args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         return self._op(first, *args, **kwargs)
 
@@ -170,27 +187,36 @@ def sample_tensors(sample: Any) -> list[torch.Tensor]:
     ]
 
 
-def first_sample(op: Any) -> Any:
+SAMPLES_CONSIDERED = 8
+
+
+def chosen_sample(op: Any) -> Any:
+    """The sample with the most elements among ``op``'s first :data:`SAMPLES_CONSIDERED` (the first of equals).
+
+    First samples are often degenerate (``unfold`` of a 0-d tensor); a larger one exercises the op's general
+    case, such as ``unfold`` windows that overlap.
+    """
     torch.manual_seed(0)
-    return next(iter(op.sample_inputs("cpu", torch.float32, requires_grad=True)))
+    samples = itertools.islice(op.sample_inputs("cpu", torch.float32, requires_grad=True), SAMPLES_CONSIDERED)
+    return max(samples, key=lambda sample: sum(t.numel() for t in sample_tensors(sample)))
 
 
-def check_op(op: Any) -> Outcome:
-    """Run ``op``'s first sample through eager and a fresh ORTModule and compare."""
+def check_op(op: Any, in_model: bool = False) -> Outcome:
+    """Run ``op``'s chosen sample through eager and a fresh ORTModule and compare (see :class:`OpModule`)."""
     from lightning_ort import ORTModule
     from lightning_ort.errors import FallbackWarning
 
     start = time.perf_counter()
     key = op_key(op)
-    sample = first_sample(op)
+    sample = chosen_sample(op)
     originals = sample_tensors(sample)
     try:
-        eager = _run(OpModule(op, sample), originals)
+        eager = _run(OpModule(op, sample, in_model), originals)
     except Exception as err:  # eager itself refuses (a loss that is ill-defined for this op, say)
         return Outcome(key, "skip", "eager: " + _first_line(err), time.perf_counter() - start)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FallbackWarning)
-        model = ORTModule(OpModule(op, sample))
+        model = ORTModule(OpModule(op, sample, in_model))
         try:
             ort = _run(model, originals)
         except Exception as err:  # reported, not raised: the table lists every op
@@ -224,7 +250,7 @@ def _run(module: nn.Module, originals: Sequence[torch.Tensor]) -> _Result:
         generator = torch.Generator().manual_seed(1)
         weights = [torch.randn(_real_part(o).shape, generator=generator, dtype=_real(o.dtype)) for o in differentiable]
         total = sum((_real_part(o) * w).sum() for o, w in zip(differentiable, weights))
-        wants = [t for t in inputs if t.requires_grad]
+        wants = [t for t in inputs if t.requires_grad] + list(module.parameters())
         grads = torch.autograd.grad(total, wants, allow_unused=True) if wants else ()
         gradients: list[torch.Tensor | None] = list(grads)
     else:
@@ -270,7 +296,7 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def _worker(connection: Connection) -> None:
+def _worker(connection: Connection, in_model: bool) -> None:
     warnings.filterwarnings("ignore")
     ops = {op_key(op): op for op in eligible_ops()}
     while True:
@@ -278,7 +304,7 @@ def _worker(connection: Connection) -> None:
         if name is None:
             return
         try:
-            outcome = check_op(ops[name])
+            outcome = check_op(ops[name], in_model)
         except Exception as err:  # a sample that eager itself cannot run, for instance
             outcome = Outcome(name, "error", _first_line(err) + " | " + traceback.format_exc(limit=-1).strip()[-200:])
         connection.send(outcome)
@@ -292,7 +318,7 @@ class _Worker:
     started: float = 0.0
 
 
-def run_ops(names: Sequence[str], workers: int, timeout: float) -> Iterator[Outcome]:
+def run_ops(names: Sequence[str], workers: int, timeout: float, in_model: bool = False) -> Iterator[Outcome]:
     """Check ``names`` in ``workers`` processes; an op running past ``timeout`` seconds ends as an error."""
     context = mp.get_context("spawn")
     pending = list(names)
@@ -300,7 +326,7 @@ def run_ops(names: Sequence[str], workers: int, timeout: float) -> Iterator[Outc
 
     def start() -> _Worker:
         parent, child = context.Pipe()
-        process = context.Process(target=_worker, args=(child,), daemon=True)
+        process = context.Process(target=_worker, args=(child, in_model), daemon=True)
         process.start()
         return _Worker(process, parent)
 
@@ -336,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ci-subset", action="store_true", help="run the CI subset only")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per op (default 180)")
+    parser.add_argument("--in-model", action="store_true", help="feed each op from a layer with a parameter")
     args = parser.parse_args(argv)
     available = [op_key(op) for op in eligible_ops()]
     names = list(CI_SUBSET) if args.ci_subset else (args.ops or available)
@@ -343,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"not eligible op names: {', '.join(unknown)}")
     outcomes = []
-    for outcome in run_ops(names, args.workers, args.timeout):
+    for outcome in run_ops(names, args.workers, args.timeout, args.in_model):
         outcomes.append(outcome)
         print(f"{outcome.status:9s} {outcome.op:45s} {outcome.seconds:6.1f}s {outcome.detail}", flush=True)
     counts = Counter(o.status for o in outcomes)
