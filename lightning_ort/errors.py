@@ -141,9 +141,23 @@ def node_origin(node: torch.fx.Node) -> str:
         path = _DYNAMO_ROOT.sub("", path) or "."
         type_name = getattr(module_type, "__name__", str(module_type))
         return f"module `{path}` ({type_name})"
-    trace = node.meta.get("stack_trace")
-    if trace:
-        return trace.strip().splitlines()[-2].strip() if len(trace.strip().splitlines()) > 1 else trace.strip()
+    return _innermost_line(node.meta.get("stack_trace") or "")
+
+
+_FILE_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def _innermost_line(trace: str) -> str:
+    """``file:line (`code`)`` of a formatted stack trace's innermost frame ("" if it has none).
+
+    Python 3.11 underlines the failing expression with a line of ``^`` and ``~``, which is not the code.
+    """
+    lines = trace.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        match = _FILE_LINE.match(lines[index])
+        if match:
+            code = lines[index + 1].strip() if index + 1 < len(lines) else ""
+            return f"{match['file']}:{match['line']}" + (f" (`{code}`)" if code else "")
     return ""
 
 

@@ -88,42 +88,68 @@ def float64_drift(
     ort: Sequence[torch.Tensor | None],
     eager: Sequence[torch.Tensor | None],
     reference: Sequence[torch.Tensor | None],
+    perturbed: Sequence[Sequence[torch.Tensor | None]] = (),
 ) -> str:
     """The first of ``names`` whose ORT value is further from the float64 ``reference`` than allowed, or ``""``.
 
-    Allowed: :data:`FP64_MULTIPLE` times eager float32's relative distance, plus :data:`FP64_SLACK`.
+    Allowed: :data:`FP64_MULTIPLE` times eager float32's relative distance, plus :data:`FP64_SLACK`. With
+    ``perturbed`` (eager float32's values for inputs perturbed by a few float32 ulps), eager's distance is the
+    largest of those runs' (see :func:`assert_fp64_accuracy`).
     """
-    for name, mine, theirs, exact in zip(names, ort, eager, reference, strict=True):
+    for index, (name, mine, exact) in enumerate(zip(names, ort, reference, strict=True)):
         if exact is None:
             continue
-        if mine is None or theirs is None:
+        theirs = [eager[index], *(run[index] for run in perturbed)]
+        if mine is None or any(value is None for value in theirs):
             return f"{name}: no value from {'ORT' if mine is None else 'eager'} where float64 has one"
-        allowed = FP64_MULTIPLE * _relative(theirs, exact) + FP64_SLACK
+        allowed = FP64_MULTIPLE * max(_relative(value, exact) for value in theirs if value is not None) + FP64_SLACK
         error = _relative(mine, exact)
         if error > allowed:
             return f"{name}: ORT's distance to float64 {error:.2e} > {allowed:.2e} (3x eager's + 1e-4)"
     return ""
 
 
-def assert_fp64_accuracy(eager: torch.nn.Module, wrapped: torch.nn.Module, *inputs: torch.Tensor) -> None:
+PERTURBATION = 1e-6
+"""Relative size of the input perturbations of :func:`assert_fp64_accuracy` (about 8 float32 ulps)."""
+
+
+def assert_fp64_accuracy(
+    eager: torch.nn.Module, wrapped: torch.nn.Module, *inputs: torch.Tensor, perturbations: int = 0
+) -> None:
     """ORT's outputs and parameter gradients are as close to float64's as eager float32's are.
 
     A float64 copy of ``eager`` is the reference (torch._dynamo's accuracy checker does the same): each
     relative distance of ``wrapped`` to it must stay within :data:`FP64_MULTIPLE` times eager float32's, plus
     :data:`FP64_SLACK`. This tells float32 noise, which deep nets amplify, from drift.
 
+    Eager float32 runs the same ops as float64 with each result rounded, so its distance is rounding alone. A
+    net whose gradients change with which near-zero pre-activations a ReLU lets through (thousands of ReLUs
+    after batch norm) gets another gradient from any float32 computation that rounds differently, ONNX
+    Runtime's or PyTorch's own on a slightly different input. ``perturbations`` measures that: eager float32
+    also runs on that many copies of the inputs perturbed by :data:`PERTURBATION` (relative), and eager's
+    distance is the largest of its runs'.
+
     Args:
         eager: the float32 model; ``wrapped`` runs a copy of it.
         wrapped: the ORTModule (its parameters equal ``eager``'s).
         inputs: float32 inputs.
+        perturbations: eager runs on perturbed inputs.
     """
     reference = copy.deepcopy(eager).double()
-    results = {}
-    for name, model, args in (
+    generator = torch.Generator().manual_seed(99)
+
+    def perturb(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        return x * (1 + PERTURBATION * noise) if x.is_floating_point() else x
+
+    runs = [
         ("float64", reference, [x.double() if x.is_floating_point() else x for x in inputs]),
         ("eager", eager, list(inputs)),
         ("ort", wrapped, list(inputs)),
-    ):
+        *((f"perturbed{i}", copy.deepcopy(eager), [perturb(x) for x in inputs]) for i in range(perturbations)),
+    ]
+    results = {}
+    for name, model, args in runs:
         model.zero_grad()
         output = model(*args)
         weighted_loss(output).backward()
@@ -133,5 +159,6 @@ def assert_fp64_accuracy(eager: torch.nn.Module, wrapped: torch.nn.Module, *inpu
         )
     names = ["output"] * len(results["eager"][0]) + [n for n, _ in eager.named_parameters()]
     values = {key: [*outs, *grads] for key, (outs, grads) in results.items()}
-    drift = float64_drift(names, values["ort"], values["eager"], values["float64"])
+    perturbed = [values[f"perturbed{i}"] for i in range(perturbations)]
+    drift = float64_drift(names, values["ort"], values["eager"], values["float64"], perturbed)
     assert not drift, drift

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from lightning_ort import ORTModule, SessionError
+from lightning_ort import ExportError, FallbackWarning, ORTModule, SessionError
 from tests.zoo import MLP
 
 
@@ -90,3 +90,37 @@ def test_session_failure_mid_training_leaves_parameters_grads_and_optimizer_unto
 
 def _broken_run(*args: object) -> None:
     raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : simulated kernel failure")
+
+
+def test_a_failure_inside_our_own_export_code_runs_the_graph_in_pytorch_and_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_ort.engine.capture as capture
+
+    def broken_export(*args: object, **kwargs: object) -> None:
+        raise KeyError("val")
+
+    monkeypatch.setattr(capture, "export_graph", broken_export)
+    torch.manual_seed(0)
+    eager = MLP()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(4, 16)
+    with pytest.warns(FallbackWarning, match=r"runs in PyTorch.*KeyError: 'val' \(at .*test_faults\.py:\d+\)"):
+        actual = wrapped(x)
+    torch.testing.assert_close(actual, eager(x))
+    assert wrapped.statistics.eager_signatures == 1 and wrapped.statistics.forward_runs == 0
+
+    strict = ORTModule(MLP(), fallback="raise")
+    with pytest.raises(ExportError, match=r"KeyError: 'val'.*This is a bug in lightning_ort"):
+        strict(x)
+
+
+def test_transposed_convolution_with_output_padding_past_its_stride_runs_in_pytorch() -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.ConvTranspose2d(2, 4, 3, stride=2, output_padding=2, dilation=3)
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(2, 2, 5, 5)
+    with pytest.warns(FallbackWarning, match=r"output_padding.*Nothing else in that graph runs in ONNX Runtime"):
+        actual = wrapped(x)
+    torch.testing.assert_close(actual, eager(x), rtol=1e-4, atol=1e-5)
+    assert wrapped.statistics.fallback_ops == 1

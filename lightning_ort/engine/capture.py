@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import operator
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +47,15 @@ from lightning_ort.engine.partition import (
 )
 from lightning_ort.engine.replacements import substitute_functions
 from lightning_ort.engine.session import GraphSession, provider_names
-from lightning_ort.errors import CaptureError, ExportError, FallbackWarning, SessionError, first_line, warn
+from lightning_ort.errors import (
+    CaptureError,
+    ExportError,
+    FallbackWarning,
+    LightningORTError,
+    SessionError,
+    first_line,
+    warn,
+)
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
 
 if TYPE_CHECKING:
@@ -338,10 +347,14 @@ class CapturedGraph:
                 continue
             if unsupported:
                 self._log.add(fallback_ops=len(unsupported))
+                rest = (
+                    f"The rest runs in ONNX Runtime ({len(sessions)} partition(s))"
+                    if sessions
+                    else "Nothing else in that graph runs in ONNX Runtime"
+                )
                 warn_fallback(
                     f"lightning_ort: {self._owner}'s {name} graph runs {len(unsupported)} op(s) in "
-                    f"PyTorch: {describe_ops(gm, unsupported)}. The rest runs in ONNX Runtime ({len(sessions)} "
-                    "partition(s)). Pass fallback='raise' to make this an error."
+                    f"PyTorch: {describe_ops(gm, unsupported)}. {rest}. Pass fallback='raise' to make this an error."
                 )
             return PartitionedGraph(split, name, sessions, len(unsupported))
 
@@ -464,7 +477,15 @@ class CapturedGraph:
         saved_from: int | None = None,
     ) -> ExportedGraph:
         with self._log.timed("translation_seconds"):
-            return export_graph(gm, example_inputs, name, verbose, saved_from)
+            try:
+                return export_graph(gm, example_inputs, name, verbose, saved_from)
+            except LightningORTError:
+                raise
+            except Exception as err:  # our own export code failed: the graph runs in PyTorch, not a crash
+                raise ExportError(
+                    f"lightning_ort's export of the {name} graph failed with {type(err).__name__}: {first_line(err)} "
+                    f"(at {_raised_at(err)}). This is a bug in lightning_ort: please report it with the model."
+                ) from err
 
     def _open(self, graph: ExportedGraph) -> GraphSession:
         with self._log.timed("session_seconds"):
@@ -590,6 +611,12 @@ _BISECTED: dict[type[Exception], str] = {
 
 _SAVED_FROM = "lightning_ort_saved_from"
 """``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""
+
+
+def _raised_at(err: BaseException) -> str:
+    """``file:line`` where ``err`` was raised."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown line"
 
 
 def _failure_reason(err: ExportError | SessionError) -> str:

@@ -13,6 +13,8 @@ Core ATen decompositions, plus:
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
 * on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``;
+* ``avg_pool2d_backward`` (no ONNX translation) as a depthwise transposed convolution where every window has the
+  same divisor;
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
@@ -326,6 +328,46 @@ def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold:
     return grad_output * (self > threshold).to(grad_output.dtype)
 
 
+def avg_pool2d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """Average pooling's input gradient as a depthwise transposed convolution with a constant kernel.
+
+    Each output gradient is spread evenly over its window: ``conv_transpose2d`` of the gradient with a kernel of
+    ``1 / divisor``, one group per channel. That holds where every window has the same divisor: no padding (or
+    padding counted) and no ceil-mode windows past the border. Other pools keep ATen's op (no ONNX translation:
+    it runs in PyTorch).
+
+    Example:
+        >>> x = torch.randn(2, 3, 8, 8)
+        >>> g = torch.randn(2, 3, 4, 4)
+        >>> ours = avg_pool2d_backward(g, x, [2, 2], [2, 2], [0, 0], False, True, None)
+        >>> torch.allclose(ours, aten.avg_pool2d_backward(g, x, [2, 2], [2, 2], [0, 0], False, True, None))
+        True
+    """
+    kernel = list(kernel_size) if len(kernel_size) == 2 else [kernel_size[0]] * 2
+    steps = list(stride) if len(stride) == 2 else list(kernel) if not stride else [stride[0]] * 2
+    pads = list(padding) if len(padding) == 2 else [padding[0]] * 2
+    if ceil_mode or (any(pads) and not count_include_pad) or input.dim() != 4:
+        return NotImplemented
+    channels = input.shape[1]
+    divisor = divisor_override or kernel[0] * kernel[1]
+    weight = torch.full((channels, 1, *kernel), 1.0 / divisor, dtype=grad_output.dtype, device=grad_output.device)
+    adjust = [
+        input.shape[2 + i] - ((grad_output.shape[2 + i] - 1) * steps[i] - 2 * pads[i] + kernel[i]) for i in range(2)
+    ]
+    if any(not isinstance(a, int) or a < 0 or a >= steps[i] for i, a in enumerate(adjust)):
+        return NotImplemented
+    return aten.convolution(grad_output, weight, None, steps, pads, [1, 1], True, adjust, channels)
+
+
 def addmm(
     input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
 ) -> torch.Tensor:
@@ -531,6 +573,7 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
         ),
         aten._safe_softmax.default: safe_softmax,
         aten.addmm.default: addmm,
+        aten.avg_pool2d_backward.default: avg_pool2d_backward,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,

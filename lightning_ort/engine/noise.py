@@ -173,6 +173,9 @@ def _lift_bernoulli(graph: torch.fx.Graph, node: torch.fx.Node, new_input: Calla
         else:
             draw = graph.call_function(aten.lt.Tensor, (uniform, node.args[0]))
         out = graph.call_function(aten._to_copy.default, (draw,), {"dtype": dtype})
+    # The mask can be a graph output (saved for the backward), and outputs are described by their values.
+    draw.meta["val"] = torch.empty_like(val, dtype=torch.bool)
+    out.meta["val"] = val
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 

@@ -54,6 +54,8 @@ def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[st
             reasons[node.name] = "ONNX has no translation for"
         elif ignored := _ignored_argument(node):
             reasons[node.name] = f"the ONNX translation ignores `{ignored}` of"
+        elif _output_padding_past_stride(node):
+            reasons[node.name] = "ONNX Runtime's ConvTranspose needs `output_padding` below `stride` for"
         elif any(dtype.is_complex for dtype in dtypes):
             reasons[node.name] = "ONNX Runtime has no complex tensors for"
         elif device.type == "cpu" and node.target not in _CASTS and torch.bfloat16 in dtypes:
@@ -94,6 +96,16 @@ def _ignored_argument(node: torch.fx.Node) -> str | None:
         return None
     value = node.args[position] if len(node.args) > position else node.kwargs.get(name)
     return name if value is not None else None
+
+
+def _output_padding_past_stride(node: torch.fx.Node) -> bool:
+    """A transposed convolution with an ``output_padding`` not below its ``stride`` (PyTorch allows it below the
+    dilation instead; ONNX Runtime rejects it when the graph runs)."""
+    if node.target is not aten.convolution.default or not node.args[6]:
+        return False
+    stride, output_padding = node.args[3], node.args[7]
+    assert isinstance(stride, (list, tuple)) and isinstance(output_padding, (list, tuple))
+    return any(int(p) >= int(s) for p, s in zip(output_padding, stride))
 
 
 def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:
