@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.utils import calculate_time_spent
 
 from lightning_ort.bench_workloads import synchronize
+from lightning_ort.engine.torch_internals import calculate_time_spent
 from lightning_ort.module import ORTModule
 
 FIRST_STEP_RUNTIMES = ("ort_blocks", "ort", "inductor")

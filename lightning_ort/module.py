@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._dynamo.exc import UncapturedHigherOrderOpError
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
@@ -29,6 +28,7 @@ from lightning_ort.engine.blocks import (
 from lightning_ort.engine.capture import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
+from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, configure_logger, parse_fallback
 
@@ -243,7 +243,10 @@ class ORTModule(nn.Module):
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
         graphs = self._backend.build_log.counts.graphs
         try:
-            with DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback):
+            with (
+                trace_recurrent_layers(),
+                DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback),
+            ):
                 output = self._compiled(self._original_module, *args, **kwargs)
         except UncapturedHigherOrderOpError as error:
             self._drop_uncaptured_block(error)
@@ -309,7 +312,6 @@ class ORTModule(nn.Module):
         """
         if backend is None:
             backend = ORTBackend(self._build_options, type(self._original_module).__name__)
-        trace_recurrent_layers()
         code = _call_module.__code__
         name = f"{code.co_name}_{next(_ENTRY_POINTS)}"
         entry = types.FunctionType(code.replace(co_name=name), _call_module.__globals__, name)

@@ -9,6 +9,7 @@ fails. Each graph it hands over becomes a :class:`~lightning_ort.engine.capture.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,9 +18,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._dynamo import config as dynamo_config
-from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
-from torch._dynamo.utils import counters, get_metrics_context
 from typing_extensions import override
 
 from lightning_ort.engine.blocks import BlockGraphs
@@ -32,6 +30,14 @@ from lightning_ort.engine.capture import (
     GraphRunner,
 )
 from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.engine.torch_internals import (
+    BackendCompilerFailed,
+    Unsupported,
+    UserError,
+    counters,
+    dynamo_config,
+    recompile_reason,
+)
 from lightning_ort.errors import CaptureError, FallbackWarning, first_line, user_frame, warn
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
 
@@ -109,7 +115,7 @@ class ORTBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         index = len(self._graphs)
-        reason = _recompile_reason()
+        reason = recompile_reason()
         log.info(
             "capturing graph %d of %s (%d ops)%s",
             index,
@@ -164,13 +170,6 @@ class ORTBackend:
         return forward, backward
 
 
-def _recompile_reason() -> str | None:
-    """Why TorchDynamo is compiling this frame again (the first guard that failed), or ``None`` on a first compile."""
-    metrics = getattr(get_metrics_context(), "_metrics", {})
-    reason = metrics.get("recompile_reason")
-    return str(reason) if reason else None
-
-
 def ort(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
 ) -> Callable[..., Any]:
@@ -221,16 +220,13 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
     )
 
 
-def trace_recurrent_layers() -> None:
-    """Let TorchDynamo trace ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` (``torch._dynamo.config.allow_rnn``).
+def trace_recurrent_layers() -> contextlib.AbstractContextManager[None]:
+    """Let TorchDynamo trace ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` while in use (``torch._dynamo.config.allow_rnn``).
 
     It breaks the graph at them otherwise, and they run in PyTorch; traced, they run in ONNX Runtime like any other
-    op. The setting is process-wide and is not restored: toggling it around every call would mark TorchDynamo's
-    configuration as changed on every call.
+    op. The setting is TorchDynamo's, process-wide: it is set for ORTModule's calls only and restored after each.
     """
-    if not dynamo_config.allow_rnn:
-        dynamo_config.allow_rnn = True
-        log.info("torch._dynamo.config.allow_rnn set to True: recurrent layers are traced into graphs")
+    return dynamo_config.patch(allow_rnn=True)
 
 
 class DynamoEvents:

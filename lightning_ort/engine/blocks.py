@@ -22,6 +22,7 @@ import torch.fx
 import torch.utils.checkpoint
 from torch import nn
 
+from lightning_ort.engine.torch_internals import INVOKE_SUBGRAPH, nested_compile_region
 from lightning_ort.errors import BlockError
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 BlockSpec = str | type[nn.Module]
 """A block class, or its name (``"GPT2Block"``)."""
 
-_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+_INVOKE_SUBGRAPH = INVOKE_SUBGRAPH
 _MARK = "_lightning_ort_block_forward"
 """Instance attribute set on every marked block: its wrapped ``forward``, to recognize and remove it."""
 
@@ -227,7 +228,7 @@ def _region(cls: type[nn.Module]) -> Callable[..., Any]:
     """
     region = _REGIONS.get(cls)
     if region is None:
-        region = _REGIONS[cls] = torch.compiler.nested_compile_region(cls.forward, max_reuse_entries=_MAX_REUSE_ENTRIES)
+        region = _REGIONS[cls] = nested_compile_region(cls.forward, _MAX_REUSE_ENTRIES)
     return region
 
 

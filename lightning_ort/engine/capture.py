@@ -14,7 +14,6 @@ updates back; TorchDynamo's guards decide when a graph is reused.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import operator
@@ -27,9 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch import config as functorch_config
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.blocks import BlockCall, BlockGraphs, has_blocks, inline_blocks
@@ -46,7 +42,14 @@ from lightning_ort.engine.partition import (
     unsupported_nodes,
 )
 from lightning_ort.engine.replacements import substitute_functions
-from lightning_ort.engine.session import GraphSession, provider_names
+from lightning_ort.engine.session import GraphSession, providers_for
+from lightning_ort.engine.torch_internals import (
+    AOT_GRAPH_COMPILE_LOG,
+    aot_autograd,
+    functorch_config,
+    min_cut_rematerialization_partition,
+    tangents_by_format,
+)
 from lightning_ort.errors import (
     CaptureError,
     ExportError,
@@ -216,7 +219,7 @@ class CapturedGraph:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
             # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
             # translation, and their auxiliary outputs do not survive the export.
-            with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(_AOT_GRAPH_COMPILE_LOG), _tangents_by_format():
+            with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(AOT_GRAPH_COMPILE_LOG), tangents_by_format():
                 compiled = self._traced_by_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
@@ -451,7 +454,7 @@ class CapturedGraph:
         disk = self._options.disk_cache
         if disk is None or not disk.enabled:
             return None, None
-        key = disk.key(gm, example_inputs, self._device, provider_names(self._device, self._options.settings))
+        key = disk.key(gm, example_inputs, self._device, providers_for(self._device, self._options.settings))
         graph = disk.load(key, name)
         if graph is not None:
             self._log.add(disk_cache_loads=1)
@@ -490,22 +493,6 @@ class CapturedGraph:
     def _open(self, graph: ExportedGraph) -> GraphSession:
         with self._log.timed("session_seconds"):
             return GraphSession(graph, self._device, self._options.settings, self._options.debug)
-
-
-_AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"
-
-
-def _tangents_by_format() -> contextlib.AbstractContextManager[None]:
-    """AOTAutograd traces tangents by memory format (contiguous, channels-last), not by the outputs' strides.
-
-    With strides, AOTAutograd copies each incoming gradient into an empty tensor of its output's strides
-    (``empty_strided(...).copy_(grad)``). For an output whose elements overlap in memory, such as
-    ``h.unfold(1, 6, 4)`` or an overlapping ``as_strided`` view of an intermediate, that copy keeps one of the
-    gradients that share an element and drops the others: the backward then computes wrong gradients without
-    an error. AOTAutograd only recognises overlap through stride 0 (``expand``). ONNX graphs have no strides,
-    so the tangents' layout costs nothing here, and a memory format never loses values.
-    """
-    return functorch_config.patch(guess_tangent_strides_as_outputs=False)
 
 
 class _OwnFailuresUnlogged(logging.Filter):

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._decomp import core_aten_decompositions, get_decompositions
+
+from lightning_ort.engine.torch_internals import core_aten_decompositions, get_decompositions
 
 aten = torch.ops.aten
 

@@ -1,9 +1,12 @@
 """Exported graphs saved on disk, so a new process training the same model skips the ONNX export.
 
 A graph's file name is a SHA-256 key over everything the exported model depends on: the captured FX graph's
-code and constants, its inputs' shapes, dtypes and strides, the device and execution providers, and the
-torch, onnx, onnxruntime and lightning_ort versions. A file holds a checksum of its contents: a corrupted or
-truncated file is reported, deleted and rebuilt, never loaded. Files are written to a temporary name and
+code and constants, its inputs' shapes, dtypes and strides, the device, the execution providers and their
+options, the CPU's NCHWc channel block (its vector width: convolution weights are laid out for it), the torch,
+onnx, onnxscript and onnxruntime versions, and a hash of lightning_ort's own source (a changed translation in a
+development install is a different key). A file holds a checksum of its contents: a corrupted, truncated or
+foreign file is reported, deleted and rebuilt, never loaded. Size expressions are stored as trees of sympy
+classes from a fixed list and rebuilt from them, never evaluated from text. Files are written to a temporary name and
 renamed into place, so processes (DDP ranks) writing the same graph never see each other's partial files.
 """
 
@@ -16,6 +19,7 @@ import logging
 import os
 import struct
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,27 +34,30 @@ from lightning_ort.engine.dynamic import Size
 from lightning_ort.engine.export import ExportedGraph
 from lightning_ort.engine.layout import OutputLayout, OutputSpec, PassedInput, ReshapedOutput, Source
 from lightning_ort.engine.noise import Noise
+from lightning_ort.engine.onnx_passes import nchwc_block_size
+from lightning_ort.engine.torch_internals import SIZE_FUNCTIONS, FloorDiv
 from lightning_ort.errors import DiskCacheWarning, warn
 from lightning_ort.options import unwritable_reason
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"LORTGRF1"
+_MAGIC = b"LORTGRF2"
 _SUFFIX = ".ortgraph"
 
 
 class DiskCache:
     """A folder of exported graphs shared by processes and runs.
 
-    Args:
-        directory: the folder; created if missing. If it cannot be written, a warning says so and the cache
-            stays off (training continues, graphs are exported as without a cache).
+        Args:
+            directory: the folder; created if missing. If it cannot be written, a warning says so and the cache
+                stays off (training continues, graphs are exported as without a cache).
 
-    Example:
-        >>> import tempfile
-        >>> cache = DiskCache(tempfile.mkdtemp())
-        >>> cache.enabled
-        True
+        Example:
+            >>> import tempfile
+    import threading
+            >>> cache = DiskCache(tempfile.mkdtemp())
+            >>> cache.enabled
+            True
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -70,12 +77,18 @@ class DiskCache:
         return self._enabled
 
     def key(
-        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: torch.device, providers: Sequence[str]
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        device: torch.device,
+        providers: Sequence[str | tuple[str, dict[str, str]]],
     ) -> str:
-        """The file key of ``gm`` exported for ``example_inputs`` on ``device`` with ``providers``."""
+        """The file key of ``gm`` exported for ``example_inputs`` on ``device`` with ``providers`` (and options)."""
         digest = hashlib.sha256()
         digest.update(repr(_versions()).encode())
-        digest.update(f"{device.type}|{','.join(providers)}".encode())
+        digest.update(f"{device.type}|{providers!r}".encode())
+        if device.type == "cpu":
+            digest.update(f"nchwc{nchwc_block_size()}".encode())
         digest.update(gm.code.encode())
         for value in example_inputs:
             if isinstance(value, torch.Tensor):
@@ -140,15 +153,34 @@ class DiskCache:
 
 def _versions() -> tuple[str, ...]:
     return (
-        _FORMAT,
         torch.__version__,
         onnx.__version__,
+        importlib.metadata.version("onnxscript"),
         ort.__version__,
-        importlib.metadata.version("lightning-ort"),
+        source_hash(),
     )
 
 
-_FORMAT = "8"
+_SOURCE_LOCK = threading.Lock()
+_SOURCE_HASH: list[str] = []
+
+
+def source_hash() -> str:
+    """SHA-256 of lightning_ort's Python source files: the code that turns graphs into ONNX models.
+
+    Example:
+        >>> len(source_hash())
+        64
+    """
+    with _SOURCE_LOCK:
+        if not _SOURCE_HASH:
+            digest = hashlib.sha256()
+            package = Path(__file__).resolve().parents[1]
+            for path in sorted(package.rglob("*.py")):
+                digest.update(str(path.relative_to(package)).encode())
+                digest.update(path.read_bytes())
+            _SOURCE_HASH.append(digest.hexdigest())
+        return _SOURCE_HASH[0]
 
 
 def _encode(graph: ExportedGraph) -> bytes:
@@ -157,7 +189,7 @@ def _encode(graph: ExportedGraph) -> bytes:
             "noise": [[n.kind, _sizes_to_json(n.shape), str(n.dtype), n.compare, n.threshold] for n in graph.noise],
             "outputs": [[_sizes_to_json(o.shape), str(o.dtype)] for o in graph.outputs],
             "layout": [_source_to_json(source) for source in graph.layout.sources],
-            "symbols": [[str(symbol), index, dim] for symbol, (index, dim) in graph.symbols.items()],
+            "symbols": [[symbol.name, index, dim] for symbol, (index, dim) in graph.symbols.items()],
             "dropped_inputs": list(graph.dropped_inputs),
         }
     ).encode()
@@ -180,7 +212,7 @@ def _decode(data: bytes, name: str) -> ExportedGraph:
     ]
     outputs = [OutputSpec(_sizes_from_json(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
     layout = OutputLayout(tuple(_source_from_json(source) for source in header["layout"]))
-    symbols = {sympy.Symbol(symbol): (index, dim) for symbol, index, dim in header["symbols"]}
+    symbols = {_size_from_json({"Symbol": symbol}): (index, dim) for symbol, index, dim in header["symbols"]}
     return ExportedGraph(name, model, noise, outputs, layout, symbols, tuple(header["dropped_inputs"]))
 
 
@@ -198,19 +230,61 @@ def _source_from_json(value: Any) -> Any:
     return PassedInput(value["input"]) if isinstance(value, dict) else _size_from_json(value)
 
 
-def _size_to_json(size: Size | None) -> int | str | None:
-    return size if size is None or isinstance(size, int) else str(size)
+def _size_to_json(size: Size | None) -> Any:
+    """An int, ``None``, or a size expression as a tree: ``{"Symbol": "s0"}``, ``{"Add": [..., ...]}``."""
+    if size is None or isinstance(size, int):
+        return size
+    return _expression_to_json(size)
 
 
-def _size_from_json(value: int | str | None) -> Any:
-    return sympy.sympify(value) if isinstance(value, str) else value
+def _expression_to_json(expression: Any) -> Any:
+    if isinstance(expression, sympy.Symbol):
+        return {"Symbol": expression.name}
+    if isinstance(expression, sympy.Integer):
+        return {"Integer": int(expression)}
+    if isinstance(expression, sympy.Rational):
+        return {"Rational": [int(expression.p), int(expression.q)]}
+    name = type(expression).__name__
+    if name not in _EXPRESSIONS:
+        raise ValueError(f"size expression {expression} uses {name}, which the cache does not store")
+    return {name: [_expression_to_json(arg) for arg in expression.args]}
 
 
-def _sizes_to_json(sizes: tuple[Size, ...]) -> list[int | str | None]:
+def _size_from_json(value: Any) -> Any:
+    if value is None or isinstance(value, int):
+        return value
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"not a size expression: {value!r}")
+    ((name, argument),) = value.items()
+    if name == "Symbol" and isinstance(argument, str):
+        return sympy.Symbol(argument)
+    if name == "Integer" and isinstance(argument, int):
+        return sympy.Integer(argument)
+    if name == "Rational" and isinstance(argument, list) and all(isinstance(a, int) for a in argument):
+        return sympy.Rational(*argument)
+    if name not in _EXPRESSIONS or not isinstance(argument, list):
+        raise ValueError(f"not a size expression: {value!r}")
+    return _EXPRESSIONS[name](*(_size_from_json(arg) for arg in argument))
+
+
+_EXPRESSIONS: dict[str, Any] = {
+    "Add": sympy.Add,
+    "Mul": sympy.Mul,
+    "Pow": sympy.Pow,
+    "Max": sympy.Max,
+    "Min": sympy.Min,
+    "Mod": sympy.Mod,
+    "FloorDiv": FloorDiv,
+    **{name: cls for name, cls in SIZE_FUNCTIONS.items()},
+}
+"""The sympy classes a stored size expression may use (TorchDynamo's symbolic sizes use no others)."""
+
+
+def _sizes_to_json(sizes: tuple[Size, ...]) -> list[Any]:
     return [_size_to_json(size) for size in sizes]
 
 
-def _sizes_from_json(values: list[int | str]) -> tuple[Size, ...]:
+def _sizes_from_json(values: list[Any]) -> tuple[Size, ...]:
     return tuple(_size_from_json(value) for value in values)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import io
 import logging
 import operator
@@ -35,12 +34,7 @@ import onnx
 import sympy
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode, tracing
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.onnx import ONNXProgram
-from torch.onnx._constants import ONNX_DEFAULT_OPSET
-from torch.onnx._internal.exporter._registration import ONNXRegistry
-from torch.utils._sympy.functions import FloorDiv
 
 from lightning_ort.engine.dynamic import Symbols, is_symbolic, symbolic_dims
 from lightning_ort.engine.layout import OutputLayout, OutputSpec, normalise_outputs
@@ -54,26 +48,19 @@ from lightning_ort.engine.onnx_passes import (
     sum_rows_by_product,
     use_nchwc_convolutions,
 )
+from lightning_ort.engine.torch_internals import (
+    EXPORTER_STEPS,
+    ONNX_DEFAULT_OPSET,
+    FloorDiv,
+    detect_fake_mode,
+    tracing,
+    unset_fake_temporarily,
+)
 from lightning_ort.errors import ExportError, first_line, node_origin
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-
-try:
-    from torch.onnx._internal._lazy_import import onnxscript_apis
-    from torch.onnx._internal.exporter._core import (
-        _exported_program_to_onnx_program as exported_program_to_onnx_program,
-    )
-    from torch.onnx._internal.exporter._core import export as onnx_export_core
-    from torch.onnx._internal.exporter._decomp import get_onnx_implemented_overloads
-    from torch.onnx._internal.exporter._fx_passes import insert_type_promotion_nodes, remove_assertion_nodes
-except ImportError:  # an exporter laid out otherwise: the public call
-    _EXPORT_TAKES_REGISTRY = False
-else:
-    _EXPORT_TAKES_REGISTRY = {"registry", "dynamic_shapes", "verbose", "optimize", "opset_version"} <= set(
-        inspect.signature(onnx_export_core).parameters
-    )
 
 
 @dataclass
@@ -174,14 +161,17 @@ def _size_symbols(values: Sequence[Any]) -> Symbols:
 
 
 @functools.cache
-def onnx_registry() -> ONNXRegistry:
+def onnx_registry() -> Any:
     """The exporter's table of ONNX translations at ``torch.onnx.export``'s default opset, built once.
 
     ``torch.onnx.export`` builds it again on every call (it indexes every torchlib function); the translation
-    never changes it, so one table serves every graph of the process.
+    never changes it, so one table serves every graph of the process. ``None`` on a torch whose exporter steps
+    are laid out otherwise (:func:`~lightning_ort.engine.torch_internals.exporter_steps`).
     """
+    if EXPORTER_STEPS is None:
+        return None
     with quiet_exporter(verbose=False):
-        return ONNXRegistry.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
+        return EXPORTER_STEPS.registry_class.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
 
 
 def _translate(
@@ -196,7 +186,8 @@ def _translate(
     Other graphs take the exporter's own path from the traced program on. A ``torch`` whose exporter entry
     point takes other arguments, or whose exporter lacks these steps, gets the public call.
     """
-    if not _EXPORT_TAKES_REGISTRY:
+    steps = EXPORTER_STEPS
+    if steps is None:
         return torch.onnx.export(
             gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes
         )
@@ -204,20 +195,21 @@ def _translate(
     program = torch.export.export(gm, inputs, dynamic_shapes=dynamic_shapes, strict=False)
     targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
     if not targets <= _translated_ops():
-        return onnx_export_core(
+        return steps.export_core(
             program, registry=registry, verbose=verbose, optimize=False, opset_version=ONNX_DEFAULT_OPSET
         )
-    insert_type_promotion_nodes(program.graph_module)
-    remove_assertion_nodes(program.graph_module)
-    onnx_program = exported_program_to_onnx_program(program, registry=registry)
-    onnx_program.model = onnxscript_apis.convert_version(onnx_program.model, ONNX_DEFAULT_OPSET)
+    steps.insert_type_promotion_nodes(program.graph_module)
+    steps.remove_assertion_nodes(program.graph_module)
+    onnx_program = steps.to_onnx_program(program, registry=registry)
+    onnx_program.model = steps.convert_version(onnx_program.model, ONNX_DEFAULT_OPSET)
     return onnx_program
 
 
 @functools.cache
 def _translated_ops() -> frozenset[Any]:
     """The ops :func:`onnx_registry` translates, and the checks the exporter removes before translating."""
-    return frozenset(get_onnx_implemented_overloads(onnx_registry())) | _ASSERTIONS
+    assert EXPORTER_STEPS is not None
+    return frozenset(EXPORTER_STEPS.implemented_overloads(onnx_registry())) | _ASSERTIONS
 
 
 _ASSERTIONS = frozenset(

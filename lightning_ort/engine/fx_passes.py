@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
+
+from lightning_ort.engine.torch_internals import detect_fake_mode
 
 log = logging.getLogger(__name__)
 

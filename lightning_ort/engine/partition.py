@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import traceback as fx_traceback
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
@@ -26,6 +25,7 @@ from lightning_ort.engine.blocks import BlockCall
 from lightning_ort.engine.export import copy_graph_module, onnx_registry
 from lightning_ort.engine.replacements import DROPOUT_KEEP
 from lightning_ort.engine.session import GraphSession
+from lightning_ort.engine.torch_internals import EXPORTER_STEPS, FakeTensor, HigherOrderOperator, OpOverload
 from lightning_ort.errors import node_origin
 
 aten = torch.ops.aten
@@ -42,15 +42,15 @@ def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[st
     covered = _onnx_coverage()
     reasons: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
             # Such as activation checkpointing's `run_and_save_rng_state`/`run_with_rng_state`, which replay a
             # dropout mask in the recomputation: PyTorch runs them with its own generator state.
             reasons[node.name] = "ONNX has no translation for"
             continue
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         dtypes = _dtypes(node)
-        if node.target not in covered:
+        if covered is not None and node.target not in covered:
             reasons[node.name] = "ONNX has no translation for"
         elif ignored := _ignored_argument(node):
             reasons[node.name] = f"the ONNX translation ignores `{ignored}` of"
@@ -234,10 +234,14 @@ class _NodeSupport(OperatorSupportBase):
 
 
 @functools.cache
-def _onnx_coverage() -> frozenset[Any]:
-    """Ops the exporter translates, plus those it decomposes first (the same tables ``torch.onnx.export`` uses)."""
-    from torch.onnx._internal.exporter import _decomp
+def _onnx_coverage() -> frozenset[Any] | None:
+    """Ops the exporter translates, plus those it decomposes first (the same tables ``torch.onnx.export`` uses).
 
-    translated = _decomp.get_onnx_implemented_overloads(onnx_registry())
-    decomposed = _decomp.create_onnx_friendly_decomposition_table(set(translated))
+    ``None`` on a torch whose exporter does not expose them: export failures then tell which ops to leave out.
+    """
+    steps = EXPORTER_STEPS
+    if steps is None:
+        return None
+    translated = steps.implemented_overloads(onnx_registry())
+    decomposed = steps.decomposition_table(set(translated))
     return frozenset(translated) | frozenset(decomposed) | {DROPOUT_KEEP}  # lifted before export

@@ -94,11 +94,6 @@ def torch_allows_tf32_matmul() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
-def provider_names(device: torch.device, settings: SessionSettings) -> list[str]:
-    """Names of the execution providers :func:`providers_for` picks, without their options."""
-    return _names(providers_for(device, settings))
-
-
 def _names(providers: list[str | tuple[str, dict[str, str]]]) -> list[str]:
     return [p if isinstance(p, str) else p[0] for p in providers]
 

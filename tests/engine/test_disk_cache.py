@@ -123,3 +123,61 @@ def test_failed_write_leaves_no_temporary_file_and_training_continues(
         model(torch.randn(2, 16)).sum().backward()
     assert model.statistics.backward_runs == 1
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_another_vector_width_misses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_ort.engine import disk_cache
+
+    x = torch.randn(3, 16)
+    first = _train_once(tmp_path, x)
+    assert first.statistics.onnx_exports == 2
+    assert _train_once(tmp_path, x).statistics.disk_cache_loads == 2  # same machine: loaded
+    block = disk_cache.nchwc_block_size()
+    monkeypatch.setattr(disk_cache, "nchwc_block_size", lambda: 8 if block == 16 else 16)
+    other_machine = _train_once(tmp_path, x)
+    assert other_machine.statistics.disk_cache_loads == 0 and other_machine.statistics.onnx_exports == 2
+    assert len(list(tmp_path.glob("*.ortgraph"))) == 4
+
+
+def test_changed_package_source_or_provider_options_miss_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_ort.engine import disk_cache
+
+    x = torch.randn(3, 16)
+    _train_once(tmp_path, x)
+    monkeypatch.setattr(disk_cache, "_SOURCE_HASH", ["a different translation"])
+    assert _train_once(tmp_path, x).statistics.disk_cache_loads == 0
+    monkeypatch.undo()
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    cache = disk_cache.DiskCache(tmp_path)
+    cpu = torch.device("cpu")
+    plain = cache.key(gm, [torch.zeros(2)], cpu, ["CPUExecutionProvider"])
+    tuned = cache.key(gm, [torch.zeros(2)], cpu, [("CPUExecutionProvider", {"some_option": "1"})])
+    assert plain != tuned
+
+
+def test_size_expressions_round_trip_without_evaluating_text() -> None:
+    import sympy
+
+    from lightning_ort.engine.disk_cache import _size_from_json, _size_to_json
+    from lightning_ort.engine.torch_internals import FloorDiv
+
+    s0, s1 = sympy.Symbol("s0"), sympy.Symbol("s1")
+    for size in (7, None, s0, 4 * s0 + 1, FloorDiv(s0 * s1, 2), s0**2 - s1):
+        assert _size_from_json(json.loads(json.dumps(_size_to_json(size)))) == size
+    with pytest.raises(ValueError, match="not a size expression"):
+        _size_from_json("__import__('os').system('echo pwned')")
+    with pytest.raises(ValueError, match="not a size expression"):
+        _size_from_json({"exec": ["print(1)"]})
+
+
+def test_a_foreign_entry_is_a_miss_with_a_warning(tmp_path: Path) -> None:
+    x = torch.randn(3, 16)
+    _train_once(tmp_path, x)
+    for path in tmp_path.glob("*.ortgraph"):  # another program's file under our name
+        path.write_bytes(b"LORTGRF2" + bytes(32) + b"\x05\x00\x00\x00{}")
+    with pytest.warns(DiskCacheWarning, match="damaged"):
+        model = _train_once(tmp_path, x)
+    assert model.statistics.disk_cache_loads == 0 and model.statistics.onnx_exports == 2
+    torch.testing.assert_close(model(x), _train_once(tmp_path, x)(x), **OUTPUT_TOLERANCE)

@@ -1,0 +1,166 @@
+"""What lightning_ort uses from inside torch that torch does not promise to keep: imported here, and only here.
+
+Each name below is private to torch (a leading underscore in its module path) or an argument newer than the
+oldest torch the package supports (:data:`TORCH_FLOOR`). Those that moved or appeared between supported
+versions are feature-tested, with a fallback that keeps training working; the rest have been stable across the
+supported range and fail at import with an error that names the torch version (:func:`require`). The list,
+with what each is for, is in ``docs/how-it-works.md`` ("What we rely on inside torch").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TORCH_FLOOR = "2.11"
+"""The oldest torch release the package is tested with (``nox -s compat``)."""
+
+
+def require(module: str, *names: str) -> tuple[Any, ...]:
+    """``names`` from torch's private ``module``, or an ImportError that names the torch version and the remedy.
+
+    Example:
+        >>> (counters,) = require("torch._dynamo.utils", "counters")
+        >>> "frames" in counters or isinstance(counters, dict)
+        True
+    """
+    try:
+        loaded = importlib.import_module(module)
+        return tuple(getattr(loaded, name) for name in names)
+    except (ImportError, AttributeError) as err:
+        raise ImportError(
+            f"lightning_ort needs {', '.join(names)} from {module}, which torch {torch.__version__} does not have "
+            f"({err}). lightning_ort is tested with torch {TORCH_FLOOR} to 2.13: install a torch in that range."
+        ) from err
+
+
+# TorchDynamo: its counters, errors and configuration.
+dynamo_config: Any = importlib.import_module("torch._dynamo.config")
+counters, calculate_time_spent = require("torch._dynamo.utils", "counters", "calculate_time_spent")
+BackendCompilerFailed, Unsupported, UserError, UncapturedHigherOrderOpError = require(
+    "torch._dynamo.exc", "BackendCompilerFailed", "Unsupported", "UserError", "UncapturedHigherOrderOpError"
+)
+(aot_autograd,) = require("torch._dynamo.backends.common", "aot_autograd")
+
+# AOTAutograd and fake tensors.
+functorch_config: Any = importlib.import_module("torch._functorch.config")
+(min_cut_rematerialization_partition,) = require("torch._functorch.partitioners", "min_cut_rematerialization_partition")
+detect_fake_mode, tracing = require("torch._guards", "detect_fake_mode", "tracing")
+FakeTensor, FakeTensorMode, unset_fake_temporarily = require(
+    "torch._subclasses.fake_tensor", "FakeTensor", "FakeTensorMode", "unset_fake_temporarily"
+)
+core_aten_decompositions, get_decompositions = require(
+    "torch._decomp", "core_aten_decompositions", "get_decompositions"
+)
+(FloorDiv,) = require("torch.utils._sympy.functions", "FloorDiv")
+SIZE_FUNCTIONS: dict[str, Any] = {
+    name: getattr(importlib.import_module("torch.utils._sympy.functions"), name)
+    for name in ("CeilToInt", "CleanDiv", "FloorToInt", "IntTrueDiv", "ModularIndexing", "PythonMod")
+    if hasattr(importlib.import_module("torch.utils._sympy.functions"), name)
+}
+"""torch's sympy functions that symbolic sizes can hold, by class name (those this torch has)."""
+HigherOrderOperator, OpOverload = require("torch._ops", "HigherOrderOperator", "OpOverload")
+AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"
+"""The logger AOTAutograd reports a deferred backward compilation failure to."""
+
+
+def recompile_reason() -> str | None:
+    """Why TorchDynamo is compiling the current frame again, or ``None`` (first compile, or a torch without it)."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+    except ImportError:
+        return None
+    reason = getattr(get_metrics_context(), "_metrics", {}).get("recompile_reason")
+    return str(reason) if reason else None
+
+
+def tangents_by_format() -> contextlib.AbstractContextManager[None]:
+    """AOTAutograd traces tangents by memory format (contiguous, channels-last), not by the outputs' strides.
+
+    With strides, AOTAutograd copies each incoming gradient into an empty tensor of its output's strides
+    (``empty_strided(...).copy_(grad)``). For an output whose elements overlap in memory, such as
+    ``h.unfold(1, 6, 4)`` or an overlapping ``as_strided`` view of an intermediate, that copy keeps one of the
+    gradients that share an element and drops the others: the backward then computes wrong gradients without
+    an error. AOTAutograd only recognises overlap through stride 0 (``expand``). ONNX graphs have no strides,
+    so the tangents' layout costs nothing here, and a memory format never loses values. torch releases without
+    the setting lay tangents out by memory format already.
+    """
+    if not hasattr(functorch_config, "guess_tangent_strides_as_outputs"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(guess_tangent_strides_as_outputs=False)
+
+
+def nested_compile_region(fn: Callable[..., Any], max_reuse_entries: int) -> Callable[..., Any]:
+    """``torch.compiler.nested_compile_region(fn)``, with ``max_reuse_entries`` where torch has that limit.
+
+    torch 2.13 caps the input signatures one region may be traced with (8 by default); 2.11 has no cap.
+    """
+    region = torch.compiler.nested_compile_region
+    if "max_reuse_entries" in inspect.signature(region).parameters:
+        return region(fn, max_reuse_entries=max_reuse_entries)
+    return region(fn)
+
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+"""The higher-order op a nested compile region's call becomes in a captured graph."""
+
+
+# The ONNX exporter (torch.onnx's dynamo path).
+(ONNX_DEFAULT_OPSET,) = require("torch.onnx._constants", "ONNX_DEFAULT_OPSET")
+
+
+@dataclass(frozen=True)
+class ExporterSteps:
+    """The exporter's steps behind ``torch.onnx.export(..., dynamo=True)``, as torch 2.11 to 2.13 lay them out.
+
+    :func:`exporter_steps` gives ``None`` for a torch that lays them out otherwise: graphs are then exported
+    through the public ``torch.onnx.export``, and which ops have ONNX translations is learnt from export failures.
+    """
+
+    registry_class: Any
+    export_core: Callable[..., Any]
+    to_onnx_program: Callable[..., Any]
+    convert_version: Callable[..., Any]
+    implemented_overloads: Callable[..., Any]
+    decomposition_table: Callable[..., Any]
+    insert_type_promotion_nodes: Callable[..., Any]
+    remove_assertion_nodes: Callable[..., Any]
+
+
+def exporter_steps() -> ExporterSteps | None:
+    """The exporter's private steps, or ``None`` where they moved or take other arguments.
+
+    Example:
+        >>> exporter_steps() is not None
+        True
+    """
+    try:
+        from torch.onnx._internal._lazy_import import onnxscript_apis
+        from torch.onnx._internal.exporter import _core, _decomp, _fx_passes, _registration
+    except ImportError:
+        return None
+    needed = {"registry", "dynamic_shapes", "verbose", "optimize", "opset_version"}
+    if not needed <= set(inspect.signature(_core.export).parameters):
+        return None
+    try:
+        return ExporterSteps(
+            registry_class=_registration.ONNXRegistry,
+            export_core=_core.export,
+            to_onnx_program=_core._exported_program_to_onnx_program,
+            convert_version=onnxscript_apis.convert_version,
+            implemented_overloads=_decomp.get_onnx_implemented_overloads,
+            decomposition_table=_decomp.create_onnx_friendly_decomposition_table,
+            insert_type_promotion_nodes=_fx_passes.insert_type_promotion_nodes,
+            remove_assertion_nodes=_fx_passes.remove_assertion_nodes,
+        )
+    except AttributeError:
+        return None
+
+
+EXPORTER_STEPS = exporter_steps()
