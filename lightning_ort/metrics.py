@@ -27,7 +27,7 @@ import torch
 from torchmetrics import MaxMetric, Metric, SumMetric
 
 from lightning_ort.engine.backend import CacheStatistics
-from lightning_ort.module import ORTModule
+from lightning_ort.module import ORTModule, original_module
 
 EXPORT_TIME = "ort/export_time_s"
 CAPTURE_TIME = "ort/capture_time_s"
@@ -100,7 +100,7 @@ def summary_table(modules: Mapping[str, ORTModule]) -> str:
         rows.append(
             (
                 path,
-                type(module.module).__name__,
+                type(original_module(module)).__name__,
                 f"{sum(p.numel() for p in module.parameters()):,}",
                 ",".join(p.removesuffix("ExecutionProvider") for p in module.providers) or "-",
                 str(stats.cached_graphs),

@@ -175,7 +175,7 @@ class ORTModule(nn.Module):
         return self._dynamic
 
     @property
-    def blocks(self) -> tuple[type[nn.Module], ...]:
+    def block_classes(self) -> tuple[type[nn.Module], ...]:
         """The block classes whose instances share block graphs (empty: one graph for the whole model)."""
         return self._blocks
 
@@ -377,6 +377,23 @@ class ORTModule(nn.Module):
         return name in _OWN_STATE or name in self.__dict__ or name.startswith("__")
 
     @override
+    def __getattribute__(self, name: str) -> Any:
+        """A submodule, parameter or buffer of the wrapped module comes before the wrapper's property of that name.
+
+        ``state_dict()`` keys and ``named_parameters()`` paths are the wrapped module's: tools that walk them
+        with ``getattr`` (``torch.distributed.checkpoint``, FSDP) must reach the same objects (a network whose
+        layers are ``self.layers`` keeps them under ``ORTModule.layers``, and one whose layers are
+        ``self.module`` under ``ORTModule.module``).
+        """
+        if name in _PROPERTIES:
+            state = object.__getattribute__(self, "__dict__")
+            for kind in _SHARED_STATE[:3]:
+                table = state.get(kind)
+                if table is not None and name in table:
+                    return table[name]
+        return super().__getattribute__(name)
+
+    @override
     def __getattr__(self, name: str) -> Any:
         """The wrapped module's attribute; its own methods come bound to the wrapper.
 
@@ -411,6 +428,15 @@ class ORTModule(nn.Module):
     @override
     def __repr__(self) -> str:
         return f"ORTModule({self._original_module!r})"
+
+
+def original_module(wrapped: ORTModule) -> nn.Module:
+    """The module ``wrapped`` runs, even where that module has a submodule named ``module`` of its own."""
+    return wrapped.__dict__["_original_module"]
+
+
+_PROPERTIES = frozenset(name for name, value in vars(ORTModule).items() if isinstance(value, property))
+"""The wrapper's properties (``statistics``, ``module``...), which yield to the wrapped module's own state."""
 
 
 def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -41,7 +41,7 @@ from lightning_ort.callback import ORTCallback
 from lightning_ort.config import ORTConfig, ort_arguments
 from lightning_ort.engine.blocks import mark_blocks
 from lightning_ort.errors import FallbackWarning
-from lightning_ort.module import ORTModule
+from lightning_ort.module import ORTModule, original_module
 from lightning_ort.wrapping import wrapped_submodules
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
             )
             rank_zero_info(
                 f"ort_fsdp: `{path}` sharded over {mesh.size()} ranks as {len(blocks)} block(s) of "
-                f"{', '.join(cls.__name__ for cls in network.blocks) or 'no repeated class'} and the rest"
+                f"{', '.join(cls.__name__ for cls in network.block_classes) or 'no repeated class'} and the rest"
             )
 
     @classmethod
@@ -338,7 +338,7 @@ def shard_network(
 ) -> list[nn.Module]:
     """``fully_shard`` each block of ``network`` over ``mesh``, then ``network`` itself; returns the blocks.
 
-    The blocks are the instances of ``network.blocks``, each made a block graph first (so that one ONNX Runtime
+    The blocks are the instances of ``network.block_classes``, each made a block graph first (so that one ONNX Runtime
     graph serves every block) or, with ``activation_checkpointing``, a checkpointed block.
 
     Example:
@@ -351,7 +351,7 @@ def shard_network(
         2
         >>> dist.destroy_process_group()
     """
-    blocks = mark_blocks(network.module, network.blocks, checkpoint=activation_checkpointing)
+    blocks = mark_blocks(original_module(network), network.block_classes, checkpoint=activation_checkpointing)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(network, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -229,3 +229,25 @@ def test_missing_kernel_runs_just_that_op_in_pytorch_by_default() -> None:
         torch.testing.assert_close(wrapped(x), model(x))
     stats = wrapped.statistics
     assert stats.eager_signatures == 0 and stats.fallback_ops == 1 and stats.forward_runs == 1
+
+
+def test_wrapped_submodules_named_like_the_wrappers_properties_come_first() -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    class Network(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.graphs = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+            self.module = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.graphs:
+                x = layer(x)
+            return self.module(x)
+
+    holder = nn.Module()
+    holder.net = ORTModule(Network())
+    assert isinstance(holder.net.graphs, nn.ModuleList) and isinstance(holder.net.module, nn.Linear)
+    assert list(get_model_state_dict(holder)) == [name for name, _ in holder.named_parameters()]
+    holder.net(torch.randn(3, 4)).sum().backward()
+    assert holder.net.statistics.backward_runs == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 from typing_extensions import override
 
 from lightning_ort import BlockError, FallbackWarning, ORTModule
@@ -58,7 +59,7 @@ def test_a_twelve_block_model_exports_each_distinct_graph_once() -> None:
     eager = Deep()
     whole = ORTModule(copy.deepcopy(eager))
     blocked = ORTModule(copy.deepcopy(eager), blocks="auto")
-    assert [cls.__name__ for cls in blocked.blocks] == ["Block"]
+    assert [cls.__name__ for cls in blocked.block_classes] == ["Block"]
     for _ in range(2):
         outputs = [model(*_batch()) for model in (eager, whole, blocked)]
         for model, output in zip((eager, whole, blocked), outputs):
@@ -124,7 +125,7 @@ def _breaking_model() -> Deep:
 def test_a_block_with_a_graph_break_is_captured_with_the_model_and_named() -> None:
     eager = _breaking_model()
     wrapped = ORTModule(copy.deepcopy(eager), blocks="auto")
-    assert wrapped.blocks == (BreakingBlock,)
+    assert wrapped.block_classes == (BreakingBlock,)
     with pytest.warns(
         FallbackWarning, match=r"block BreakingBlock \(`layers.0`\) is captured with the model's"
     ) as record:
@@ -132,7 +133,7 @@ def test_a_block_with_a_graph_break_is_captured_with_the_model_and_named() -> No
     assert "test_blocks.py" in record[0].filename
     weighted_loss(eager(*_batch())).backward()
     assert_grads_close(wrapped, eager)
-    assert wrapped.blocks == () and not marked_blocks(wrapped.module)
+    assert wrapped.block_classes == () and not marked_blocks(wrapped.module)
     stats = wrapped.statistics
     assert stats.block_graphs == 0 and stats.forward_runs > 0 and stats.backward_runs > 0
 
@@ -158,7 +159,7 @@ def test_an_fsdp_sharded_block_with_a_graph_break_fails_at_the_first_forward(tmp
         fully_shard(wrapped, mesh=mesh)
         with pytest.raises(BlockError, match=r"BreakingBlock \(`layers.0`\) cannot be captured as one graph"):
             wrapped(*_batch())
-        assert wrapped.blocks == (BreakingBlock,) and len(marked_blocks(wrapped.module)) == 3
+        assert wrapped.block_classes == (BreakingBlock,) and len(marked_blocks(wrapped.module)) == 3
     finally:
         torch.distributed.destroy_process_group()
 
@@ -172,6 +173,10 @@ def test_block_graphs_run_no_matrix_product_in_pytorch() -> None:
     assert not ran & {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}
 
 
+REGIONS_REUSED_ACROSS_SHAPES = TorchVersion(torch.__version__) >= (2, 13)
+"""torch 2.11 traces a block region again when its graph turns dynamic-shape: one more block graph per pass."""
+
+
 def test_inference_and_new_lengths_reuse_the_blocks() -> None:
     torch.manual_seed(0)
     eager = Deep(depth=3)
@@ -183,7 +188,9 @@ def test_inference_and_new_lengths_reuse_the_blocks() -> None:
     stats = blocked.statistics
     # An inference graph for the first length (no_grad), then a training graph with a symbolic length for the
     # others: one inference and two training block graphs (forward, backward), each reused by the other blocks.
-    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (2, 3, 6, 0)
+    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (
+        (2, 3, 6, 0) if REGIONS_REUSED_ACROSS_SHAPES else (2, 5, 4, 0)
+    )
 
 
 def test_dynamic_shapes_with_blocks_match_eager() -> None:
@@ -197,7 +204,9 @@ def test_dynamic_shapes_with_blocks_match_eager() -> None:
         assert_grads_close(blocked, eager)
     stats = blocked.statistics
     # A static graph for the first length, a dynamic one (symbolic length) for the others.
-    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (2, 4, 8, 0)
+    assert (stats.graphs, stats.block_graphs, stats.block_reuses, stats.eager_signatures) == (
+        (2, 4, 8, 0) if REGIONS_REUSED_ACROSS_SHAPES else (2, 6, 6, 0)
+    )
 
 
 def test_the_disk_cache_serves_block_graphs(tmp_path: Path) -> None:
@@ -284,5 +293,5 @@ def test_hugging_face_layers_on_padded_batches_match_eager(class_name: str, conf
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
     assert_grads_close(blocked, eager)
     stats = blocked.statistics
-    assert len(blocked.blocks) == 1 and stats.block_graphs >= 2 and stats.block_reuses >= 4
+    assert len(blocked.block_classes) == 1 and stats.block_graphs >= 2 and stats.block_reuses >= 4
     assert stats.fallback_ops == 0 and stats.eager_signatures == 0

@@ -60,14 +60,14 @@ class Network(nn.Module):
     def __init__(self, vocab: int = 40, width: int = 32, depth: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(Layer(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(Layer(width) for _ in range(depth))  # the name of ORTModule.blocks
         self.head = nn.Linear(width, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
         mask = torch.triu(torch.full((n, n), float("-inf"), device=ids.device), diagonal=1)
         x = self.embed(ids)
-        for layer in self.layers:
+        for layer in self.blocks:
             x = layer(x, mask)
         return self.head(x)
 
@@ -95,7 +95,7 @@ class ShardedBlockLM(BlockLM):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
-        for layer in self.net.layers:
+        for layer in self.net.blocks:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
 
