@@ -1,15 +1,29 @@
 """Train PyTorch and PyTorch Lightning models through ONNX Runtime.
 
 Importing the package registers the Lightning strategies ``"ort"``, ``"ort_ddp"``, ``"ort_ddp_spawn"`` and
-``"ort_fsdp"``;
-installing it registers the ``torch.compile`` backend ``"ort"``.
+``"ort_fsdp"`` (when Lightning is imported, before or after it); installing it registers the ``torch.compile``
+backend ``"ort"``. The package imports Lightning only for its Lightning parts (``ORTCallback``, the strategies):
+``torch.compile(model, backend="ort")`` and ``ORTModule`` alone do not pay for importing it.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import version
+import importlib
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import types
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from lightning_ort.callback import ORTCallback
+try:
+    __version__ = version("lightning-ort")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
+
 from lightning_ort.config import OptimizationLevel, ORTConfig
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
 from lightning_ort.engine.capture import BuildCounts
@@ -26,9 +40,62 @@ from lightning_ort.errors import (
 )
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
-from lightning_ort.strategies import ORTDDPStrategy, ORTFSDPStrategy, ORTSingleDeviceStrategy, register_strategies
 
-register_strategies()
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+_LIGHTNING_PARTS = {
+    "ORTCallback": "lightning_ort.callback",
+    "ORTDDPStrategy": "lightning_ort.strategies",
+    "ORTFSDPStrategy": "lightning_ort.strategies",
+    "ORTSingleDeviceStrategy": "lightning_ort.strategies",
+}
+"""Names that import Lightning, imported on first use."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_PARTS:
+        return getattr(importlib.import_module(_LIGHTNING_PARTS[name]), name)
+    raise AttributeError(f"module 'lightning_ort' has no attribute {name!r}")
+
+
+class _RegisterWithLightning(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Registers the strategies right after ``lightning.pytorch`` is imported, if it was not imported yet."""
+
+    _lock = threading.Lock()
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "lightning.pytorch":
+            return None
+        with self._lock:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _register()
+
+
+def _register() -> None:
+    from lightning_ort.strategies import register_strategies
+
+    register_strategies()
+
+
+if "lightning.pytorch" in sys.modules:
+    _register()
+else:
+    sys.meta_path.insert(0, _RegisterWithLightning())
 
 __all__ = [
     "BlockError",
@@ -57,5 +124,3 @@ __all__ = [
     "SessionSettings",
     "read_profiles",
 ]
-
-__version__ = version("lightning-ort")

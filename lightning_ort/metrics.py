@@ -16,6 +16,8 @@ Logged names and their cross-rank reduction:
   summed over submodules, then the **maximum** over ranks.
 * ``ort/block_reuses``: block instances that reused a block graph instead of exporting their own, **summed**
   over submodules and ranks.
+* ``ort/graph_breaks``: graph breaks (Python TorchDynamo could not trace, run in PyTorch between graphs),
+  summed over submodules, then the **maximum** over ranks. ``0`` means each network is one graph.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ CACHE_HITS = "ort/cache_hits"
 CACHE_MISSES = "ort/cache_misses"
 BLOCK_GRAPHS = "ort/block_graphs"
 BLOCK_REUSES = "ort/block_reuses"
+GRAPH_BREAKS = "ort/graph_breaks"
 
 
 def total_statistics(modules: Mapping[str, ORTModule]) -> CacheStatistics:
     """This rank's statistics summed over ``modules``."""
     stats = [m.statistics for m in modules.values()]
     return CacheStatistics(
-        **{field.name: sum(getattr(s, field.name) for s in stats) for field in dataclasses.fields(CacheStatistics)}
+        **{field.name: sum(getattr(s, field.name) or 0 for s in stats) for field in dataclasses.fields(CacheStatistics)}
     )
 
 
@@ -56,7 +59,7 @@ class ORTMetrics:
         >>> values = metrics.compute(CacheStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
         >>> {name: float(value) for name, value in values.items()}  # doctest: +NORMALIZE_WHITESPACE
         {'ort/export_time_s': 1.5, 'ort/capture_time_s': 0.0, 'ort/cache_hits': 3.0, 'ort/cache_misses': 2.0,
-         'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0}
+         'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0, 'ort/graph_breaks': 0.0}
     """
 
     def __init__(self) -> None:
@@ -68,6 +71,7 @@ class ORTMetrics:
             FALLBACK_OPS: MaxMetric(),
             BLOCK_GRAPHS: MaxMetric(),
             BLOCK_REUSES: SumMetric(),
+            GRAPH_BREAKS: MaxMetric(),
         }
 
     def compute(self, stats: CacheStatistics, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -75,11 +79,12 @@ class ORTMetrics:
         local = {
             EXPORT_TIME: float(stats.export_seconds),
             CAPTURE_TIME: float(stats.capture_seconds),
-            CACHE_HITS: float(stats.cache_hits),
-            CACHE_MISSES: float(stats.cache_misses),
+            CACHE_HITS: float(stats.cache_hits or 0),
+            CACHE_MISSES: float(stats.cache_misses or 0),
             FALLBACK_OPS: float(stats.fallback_ops),
             BLOCK_GRAPHS: float(stats.block_graphs),
             BLOCK_REUSES: float(stats.block_reuses),
+            GRAPH_BREAKS: float(stats.graph_breaks or 0),
         }
         values = {}
         for name, metric in self._metrics.items():

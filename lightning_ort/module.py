@@ -6,6 +6,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -188,7 +189,7 @@ class ORTModule(nn.Module):
     @property
     def statistics(self) -> CacheStatistics:
         """Build time, graphs and graph breaks, calls that built graphs or reused them, and ONNX Runtime runs."""
-        return self._backend.statistics(self._calls - self._building_calls, self._building_calls)
+        return self._backend.statistics((self._calls - self._building_calls, self._building_calls))
 
     @property
     def providers(self) -> list[str]:
@@ -244,6 +245,7 @@ class ORTModule(nn.Module):
         graphs = self._backend.build_log.counts.graphs
         try:
             with (
+                _CALLS,
                 trace_recurrent_layers(),
                 DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback),
             ):
@@ -444,3 +446,7 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 _ENTRY_POINTS = itertools.count()
+
+_CALLS = threading.RLock()
+"""Held by ORTModule's forward calls: TorchDynamo's and AOTAutograd's tracing state is process-wide, so models
+called from several threads take turns through it (ONNX Runtime's own threads still run each graph)."""

@@ -247,11 +247,11 @@ _OPTIMIZATION_LEVELS = {
 
 
 def configure_logger(level: LogLevel) -> logging.Logger:
-    """Set the ``lightning_ort`` logger to ``level`` and give it a handler if the application set none."""
+    """Set the ``lightning_ort`` logger to ``level``.
+
+    Like any library, lightning_ort gives its logger a ``NullHandler`` only: the application decides where
+    records go (``logging.basicConfig(level=logging.INFO)`` shows them on stderr).
+    """
     logger = logging.getLogger(_PACKAGE_LOGGER)
     logger.setLevel(level.python_level)
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
     return logger

@@ -14,7 +14,7 @@ import inspect
 import logging
 import warnings
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -285,8 +285,16 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
         _materialize_distributed_module(self.model, self.root_device)
         # FSDP's hooks around each block are a graph break TorchDynamo cannot resume from inside the loop over
         # the blocks; that the code around the blocks runs in PyTorch is this strategy's design, not a fallback.
-        warnings.filterwarnings("ignore", _SKIPPED_HOOKS, FallbackWarning)
+        if not any(entry[1] is not None and entry[1].pattern == _SKIPPED_HOOKS for entry in warnings.filters):
+            warnings.filterwarnings("ignore", _SKIPPED_HOOKS, FallbackWarning)
         ParallelStrategy.setup(self, trainer)
+
+    @override
+    def teardown(self) -> None:
+        """Remove the warnings filter :meth:`setup` installed, then tear down as FSDP does."""
+        filters = cast(list[Any], warnings.filters)
+        filters[:] = [entry for entry in filters if entry[1] is None or entry[1].pattern != _SKIPPED_HOOKS]
+        super().teardown()
 
     def _shard(self, root: pl.LightningModule) -> None:
         """``fully_shard`` every block of every wrapped network, then each network (once: ``setup`` repeats)."""
@@ -359,7 +367,16 @@ def shard_network(
 
 
 def register_strategies() -> None:
-    """Register ``"ort"``, ``"ort_ddp"``, ``"ort_ddp_spawn"`` and ``"ort_fsdp"`` with Lightning (safe to repeat)."""
-    ORTDDPStrategy.register_strategies(StrategyRegistry)
-    ORTSingleDeviceStrategy.register_strategies(StrategyRegistry)
-    ORTFSDPStrategy.register_strategies(StrategyRegistry)
+    """Register ``"ort"``, ``"ort_ddp"``, ``"ort_ddp_spawn"`` and ``"ort_fsdp"`` with Lightning (safe to repeat).
+
+    All or nothing: a failure removes the names registered before it.
+    """
+    before = set(StrategyRegistry)
+    try:
+        ORTDDPStrategy.register_strategies(StrategyRegistry)
+        ORTSingleDeviceStrategy.register_strategies(StrategyRegistry)
+        ORTFSDPStrategy.register_strategies(StrategyRegistry)
+    except Exception:
+        for name in set(StrategyRegistry) - before:
+            StrategyRegistry.remove(name)
+        raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +53,10 @@ class CacheStatistics(BuildCounts):
     ``capture_seconds``, ``onnx_exports``, ``graph_breaks``...) and these:
 
     Attributes:
-        cache_hits: forward calls that built no graph.
-        cache_misses: forward calls that built at least one graph (a first call, or a recompilation).
+        cache_hits: forward calls that built no graph (``None`` from a backend used alone with ``torch.compile``,
+            which does not see the calls).
+        cache_misses: forward calls that built at least one graph (a first call, or a recompilation); ``None``
+            likewise.
         cached_graphs: TorchDynamo graphs currently held, each with its ONNX Runtime sessions.
         forward_runs: ONNX Runtime runs of forward and inference graphs.
         backward_runs: ONNX Runtime runs of backward graphs.
@@ -66,8 +69,8 @@ class CacheStatistics(BuildCounts):
         3.0
     """
 
-    cache_hits: int = 0
-    cache_misses: int = 0
+    cache_hits: int | None = 0
+    cache_misses: int | None = 0
     cached_graphs: int = 0
     forward_runs: int = 0
     backward_runs: int = 0
@@ -140,24 +143,38 @@ class ORTBackend:
         """Build new block graphs for the graphs captured from now on (see :meth:`BlockGraphs.retire`)."""
         self._blocks.retire()
 
+    def reset(self) -> None:
+        """Forget the graphs built so far: ``torch._dynamo.reset()`` calls this for a backend passed to
+        ``torch.compile`` (their run counts stay in the statistics)."""
+        self.clear()
+
     def clear(self) -> None:
         """Forget the graphs built so far (their run counts stay in the statistics)."""
         self._retired_runs = self._run_counts()
         self._graphs.clear()
         self._blocks.clear()
 
-    def statistics(self, cache_hits: int = 0, cache_misses: int = 0) -> CacheStatistics:
-        """The statistics so far; the call counts come from the caller, which sees the calls."""
+    def statistics(self, calls: tuple[int, int] | None = None) -> CacheStatistics:
+        """The statistics so far.
+
+        Args:
+            calls: ``(cache_hits, cache_misses)``, from a caller that sees the calls and TorchDynamo's events
+                (:class:`~lightning_ort.ORTModule`). Without it, the counts only a caller can know
+                (``cache_hits``, ``cache_misses``, ``graph_breaks``, ``recompile_limit_hits``) are ``None``.
+        """
         forward, backward = self._run_counts()
+        counts = dataclasses.asdict(self._log.counts)
+        if calls is None:
+            counts.update(graph_breaks=None, recompile_limit_hits=None)
         return CacheStatistics(
-            cache_hits=cache_hits,
-            cache_misses=cache_misses,
+            cache_hits=calls[0] if calls is not None else None,
+            cache_misses=calls[1] if calls is not None else None,
             cached_graphs=len(self._graphs),
             block_graphs=self._blocks.built,
             block_reuses=self._blocks.reused,
             forward_runs=forward,
             backward_runs=backward,
-            **dataclasses.asdict(self._log.counts),
+            **counts,
         )
 
     def _run_counts(self) -> tuple[int, int]:
@@ -170,30 +187,51 @@ class ORTBackend:
         return forward, backward
 
 
-def ort(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
-) -> Callable[..., Any]:
+class EntryPoint:
     """``torch.compile(model, backend="ort", options={...})``: run the compiled graphs in ONNX Runtime.
 
     ``options`` takes the names of :class:`~lightning_ort.DebugOptions` and
     :class:`~lightning_ort.SessionSettings` fields, plus ``fallback`` and ``cache_dir`` as
-    :class:`~lightning_ort.ORTModule` takes them.
+    :class:`~lightning_ort.ORTModule` takes them. Graphs compiled with the same ``options`` share one
+    :class:`ORTBackend` (their statistics add up); ``torch._dynamo.reset()`` releases them all, with their ONNX
+    Runtime sessions.
 
     Example:
         >>> model = torch.compile(torch.nn.Linear(4, 2), backend="ort", options={"fallback": "raise"})
         >>> model(torch.randn(3, 4)).shape
         torch.Size([3, 2])
     """
-    options = dict(options or {})
-    key = repr(sorted(options.items()))
-    backend = _BACKENDS.get(key)
-    if backend is None:
-        backend = _BACKENDS[key] = ORTBackend(backend_options(options))
-    return backend(gm, example_inputs)
+
+    def __init__(self) -> None:
+        self._backends: dict[str, ORTBackend] = {}
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
+    ) -> Callable[..., Any]:
+        options = dict(options or {})
+        key = repr(sorted(options.items()))
+        with self._lock:
+            backend = self._backends.get(key)
+            if backend is None:
+                backend = self._backends[key] = ORTBackend(backend_options(options))
+        return backend(gm, example_inputs)
+
+    def backends(self) -> list[ORTBackend]:
+        """The backends of the ``options`` compiled with since the last reset."""
+        with self._lock:
+            return list(self._backends.values())
+
+    def reset(self) -> None:
+        """Release every backend's graphs and sessions (``torch._dynamo.reset()`` calls this)."""
+        with self._lock:
+            for backend in self._backends.values():
+                backend.clear()
+            self._backends.clear()
 
 
-_BACKENDS: dict[str, ORTBackend] = {}
-"""One backend per distinct ``options`` of ``torch.compile(backend="ort")``, so their statistics add up."""
+ort = EntryPoint()
+"""The ``torch_dynamo_backends`` entry point ``"ort"``."""
 
 
 def backend_options(options: Mapping[str, Any]) -> BuildOptions:
@@ -263,7 +301,7 @@ class DynamoEvents:
     def __enter__(self) -> DynamoEvents:
         self._frames = counters["frames"]["total"]
         self._breaks = dict(counters["graph_break"])
-        _LIMIT_HITS.clear()
+        _LIMIT_FILTER.hits.clear()
         _LIMIT_FILTER.active = True
         PENDING_WARNINGS.collecting = True
         PENDING_WARNINGS.messages.clear()
@@ -302,7 +340,7 @@ class DynamoEvents:
                     "an error.",
                     FallbackWarning,
                 )
-        for limit, value, function, reason in _LIMIT_HITS:
+        for limit, value, function, reason in _LIMIT_FILTER.hits:
             self._log.add(recompile_limit_hits=1)
             warn(
                 f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
@@ -311,22 +349,41 @@ class DynamoEvents:
                 "it as a tensor, construct the module with dynamic=True, or raise the limit.",
                 FallbackWarning,
             )
-        _LIMIT_HITS.clear()
+        _LIMIT_FILTER.hits.clear()
 
 
 class _RecompileLimitFilter(logging.Filter):
-    """Records TorchDynamo's "hit config.recompile_limit" warnings while :class:`DynamoEvents` watches a call."""
+    """Records TorchDynamo's "hit config.recompile_limit" warnings while :class:`DynamoEvents` watches a call.
 
-    active = False
+    TorchDynamo compiles on the calling thread, so what it logs is recorded for that thread only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = threading.local()
+
+    @property
+    def active(self) -> bool:
+        return getattr(self._state, "active", False)
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._state.active = value
+
+    @property
+    def hits(self) -> list[tuple[str, ...]]:
+        """This thread's recorded hits: limit, value, function, reason."""
+        if not hasattr(self._state, "hits"):
+            self._state.hits = []
+        return self._state.hits
 
     @override
     def filter(self, record: logging.LogRecord) -> bool:
         if self.active and record.msg.startswith("torch._dynamo hit config.") and len(record.args or ()) >= 4:
             args = tuple(record.args or ())
-            _LIMIT_HITS.append(tuple(str(arg) for arg in args[:4]))
+            self.hits.append(tuple(str(arg) for arg in args[:4]))
         return True
 
 
-_LIMIT_HITS: list[tuple[str, ...]] = []
 _LIMIT_FILTER = _RecompileLimitFilter()
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)

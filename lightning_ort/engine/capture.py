@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -106,8 +107,9 @@ class BuildCounts:
         eager_signatures: TorchDynamo graphs that run entirely in PyTorch (ONNX Runtime could not build them).
         graphs: TorchDynamo graphs built so far; more than one per call means graph breaks.
         graph_breaks: graph breaks TorchDynamo reported: Python it could not trace, run in PyTorch between graphs.
+            ``None`` where nothing watched TorchDynamo's calls (a backend used alone with ``torch.compile``).
         recompile_limit_hits: code TorchDynamo stopped compiling after too many recompilations (it runs in
-            PyTorch from then on).
+            PyTorch from then on); ``None`` likewise.
 
     Example:
         >>> BuildCounts().onnx_exports
@@ -123,8 +125,8 @@ class BuildCounts:
     fallback_ops: int = 0
     eager_signatures: int = 0
     graphs: int = 0
-    graph_breaks: int = 0
-    recompile_limit_hits: int = 0
+    graph_breaks: int | None = 0
+    recompile_limit_hits: int | None = 0
 
 
 class BuildLog:
@@ -149,7 +151,7 @@ class BuildLog:
 
     def add(self, **amounts: float) -> None:
         """Add ``amounts`` to the counts of the same names."""
-        totals = {name: getattr(self._counts, name) + amount for name, amount in amounts.items()}
+        totals: dict[str, Any] = {name: (getattr(self._counts, name) or 0) + amount for name, amount in amounts.items()}
         self._counts = dataclasses.replace(self._counts, **totals)
 
     @contextmanager
@@ -562,12 +564,13 @@ def warn_fallback(message: str) -> None:
         warn(message, FallbackWarning)
 
 
-@dataclass
-class PendingWarnings:
-    """Fallback warnings held back while a call runs (see :func:`warn_fallback`)."""
+class PendingWarnings(threading.local):
+    """Fallback warnings held back while a call runs (see :func:`warn_fallback`), per thread: two models compiled
+    in two threads keep their warnings apart."""
 
-    collecting: bool = False
-    messages: list[str] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.collecting = False
+        self.messages: list[str] = []
 
 
 PENDING_WARNINGS = PendingWarnings()

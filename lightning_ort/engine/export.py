@@ -19,7 +19,6 @@ Three steps, in :func:`export_graph`:
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import logging
 import operator
@@ -39,6 +38,7 @@ from torch.onnx import ONNXProgram
 from lightning_ort.engine.dynamic import Symbols, is_symbolic, symbolic_dims
 from lightning_ort.engine.layout import OutputLayout, OutputSpec, normalise_outputs
 from lightning_ort.engine.noise import Noise, lift_random_ops
+from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx_passes import (
     dequantize_scaled_masks,
     fuse_transposed_operands,
@@ -160,7 +160,7 @@ def _size_symbols(values: Sequence[Any]) -> Symbols:
     return symbols
 
 
-@functools.cache
+@Once
 def onnx_registry() -> Any:
     """The exporter's table of ONNX translations at ``torch.onnx.export``'s default opset, built once.
 
@@ -205,7 +205,7 @@ def _translate(
     return onnx_program
 
 
-@functools.cache
+@Once
 def _translated_ops() -> frozenset[Any]:
     """The ops :func:`onnx_registry` translates, and the checks the exporter removes before translating."""
     assert EXPORTER_STEPS is not None

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -38,6 +37,8 @@ import onnxruntime as ort
 import onnxscript.optimizer
 from onnx import helper, numpy_helper
 from onnx_ir.passes import common as common_passes
+
+from lightning_ort.engine.once import Once
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
 """ONNX Runtime graph optimizers our sessions turn off (see the module docstring)."""
@@ -393,7 +394,7 @@ def _nchwc_weight_shape(node: onnx.NodeProto, values: dict[str, _Value], block: 
     return weight.static_shape
 
 
-@functools.cache
+@Once
 def nchwc_block_size() -> int:
     """The channel block of ONNX Runtime's NCHWc kernels on this CPU (16 with AVX-512, 8 with AVX2), 0 if none.
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import os
 from collections.abc import Callable
+
+from lightning_ort.engine.once import Once
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def release_openmp_threads() -> bool:
     return pause is not None and pause(_OMP_PAUSE_SOFT) == 0
 
 
-@functools.cache
+@Once
 def _pause_function() -> Callable[[int], int] | None:
     """``omp_pause_resource_all`` of the OpenMP runtime already loaded in this process (PyTorch's), if any."""
     candidates: list[ctypes.CDLL] = []

@@ -9,7 +9,6 @@ ops in between.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lightning_ort.engine.blocks import BlockCall
 from lightning_ort.engine.export import copy_graph_module, onnx_registry
+from lightning_ort.engine.once import Once
 from lightning_ort.engine.replacements import DROPOUT_KEEP
 from lightning_ort.engine.session import GraphSession
 from lightning_ort.engine.torch_internals import EXPORTER_STEPS, FakeTensor, HigherOrderOperator, OpOverload
@@ -233,7 +233,7 @@ class _NodeSupport(OperatorSupportBase):
         return True
 
 
-@functools.cache
+@Once
 def _onnx_coverage() -> frozenset[Any] | None:
     """Ops the exporter translates, plus those it decomposes first (the same tables ``torch.onnx.export`` uses).
 

@@ -29,6 +29,7 @@ from onnxruntime.capi import _pybind_state as ort_c
 from lightning_ort.engine.dynamic import evaluate
 from lightning_ort.engine.export import ExportedGraph, save_model
 from lightning_ort.engine.layout import OutputSpec
+from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx_passes import DISABLED_ORT_OPTIMIZERS
 from lightning_ort.engine.openmp import release_openmp_threads
 from lightning_ort.errors import SessionError
@@ -98,7 +99,7 @@ def _names(providers: list[str | tuple[str, dict[str, str]]]) -> list[str]:
     return [p if isinstance(p, str) else p[0] for p in providers]
 
 
-@functools.cache
+@Once
 def _register_shared_cpu_arena() -> None:
     """Give every CPU session of this process one memory arena (once per process).
 

@@ -1,0 +1,98 @@
+"""lightning_ort leaves the process as it found it: torch's configuration, warnings filters, logging handlers,
+and, after ``torch._dynamo.reset()``, no graphs or sessions; two models train from two threads at once."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import threading
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from lightning_ort import ORTModule
+from lightning_ort.engine.backend import ort
+from tests.helpers import assert_grads_close, weighted_loss
+from tests.zoo import MLP
+from tests.zoo.architectures import LSTMTagger
+
+
+def _globals() -> tuple[object, ...]:
+    return (
+        torch._dynamo.config.allow_rnn,
+        torch._functorch.config.guess_tangent_strides_as_outputs,
+        list(warnings.filters),
+        list(logging.getLogger("lightning_ort").handlers),
+        list(logging.getLogger().handlers),
+    )
+
+
+def test_training_and_reset_leave_torch_warnings_and_logging_as_they_were() -> None:
+    before = _globals()
+    model = ORTModule(LSTMTagger())
+    model(torch.randint(0, 40, (2, 7))).sum().backward()
+    compiled = torch.compile(nn.Linear(4, 2), backend="ort")
+    compiled(torch.randn(3, 4)).sum().backward()
+    assert _globals() == before
+    handlers = logging.getLogger("lightning_ort").handlers
+    assert all(isinstance(handler, logging.NullHandler) for handler in handlers)
+
+
+def test_dynamo_reset_releases_the_backends_graphs_and_sessions() -> None:
+    compiled = torch.compile(nn.Linear(4, 2), backend="ort")
+    compiled(torch.randn(3, 4)).sum().backward()
+    backends = ort.backends()
+    assert backends and any(True for backend in backends for _ in backend.runners())
+    sessions = [weakref.ref(runner) for backend in backends for _, runner in backend.runners()]
+    torch._dynamo.reset()
+    del compiled
+    gc.collect()
+    assert ort.backends() == []
+    assert all(backend.statistics().cached_graphs == 0 for backend in backends)
+    assert all(session() is None for session in sessions), "sessions must be released"
+
+
+def test_a_backend_used_alone_reports_what_it_does_not_track_as_none() -> None:
+    compiled = torch.compile(nn.Linear(4, 2), backend="ort")
+    compiled(torch.randn(3, 4))
+    stats = ort.backends()[0].statistics()
+    assert stats.graphs >= 1 and stats.forward_runs >= 1
+    assert (stats.cache_hits, stats.cache_misses, stats.graph_breaks, stats.recompile_limit_hits) == (None,) * 4
+    torch._dynamo.reset()
+
+
+def test_two_models_train_from_two_threads_at_once() -> None:
+    """Each model's graphs are built on its first call; torch's tracing cannot overlap another thread's backward,
+    so the models are built first, then both threads train at once."""
+    torch.manual_seed(0)
+    eagers = [MLP(), MLP()]
+    wrapped = [ORTModule(copy.deepcopy(model)) for model in eagers]
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for eager, model, x in zip(eagers, wrapped, inputs):
+        weighted_loss(eager(x)).backward()
+        weighted_loss(model(x)).backward()
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def train(index: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                weighted_loss(wrapped[index](inputs[index])).backward()
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    for eager, model, x in zip(eagers, wrapped, inputs):
+        for _ in range(3):
+            weighted_loss(eager(x)).backward()
+        assert_grads_close(model, eager)
+        assert model.statistics.backward_runs == 4 and model.statistics.cache_misses == 1
