@@ -87,9 +87,10 @@ class _RegisterWithLightning(importlib.abc.MetaPathFinder, importlib.abc.Loader)
 
 
 def _register() -> None:
-    from lightning_ort.strategies import register_strategies
-
-    register_strategies()
+    """Import the strategies, which register themselves (once one of our modules importing Lightning finishes,
+    if one started the import of ``lightning.pytorch``)."""
+    if "lightning_ort.strategies" not in sys.modules:
+        importlib.import_module("lightning_ort.strategies")
 
 
 if "lightning.pytorch" in sys.modules:

@@ -16,7 +16,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, parse_fallback, parse_log_level
+from lightning_ort.options import (
+    DebugOptions,
+    Fallback,
+    LogLevel,
+    SessionSettings,
+    parse_fallback,
+    parse_log_level,
+    require_type,
+)
 
 OptimizationLevel = Literal["disable", "basic", "extended", "all"]
 """ONNX Runtime's graph optimization levels, by name."""
@@ -88,6 +96,14 @@ class ORTConfig:
     session_settings: SessionSettings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        require_type(self, "log_metrics", bool, "True or False")
+        require_type(self, "prog_bar", bool, "True or False")
+        require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
+        if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
+            raise TypeError(
+                f"providers={self.providers!r} is not accepted: providers must be a list of execution provider "
+                "names (['CPUExecutionProvider']) or None."
+            )
         providers = _names(self.providers) or None
         normalised = {
             "modules": _names(self.modules),

@@ -128,6 +128,9 @@ class DebugOptions:
         self.log_level = parse_log_level(self.log_level)
         if not isinstance(self.onnx_prefix, str):
             raise TypeError(f"DebugOptions(onnx_prefix={self.onnx_prefix!r}): the prefix must be a str.")
+        require_type(self, "save_onnx", bool, "True or False")
+        require_type(self, "profile", bool, "True or False")
+        require_type(self, "save_path", (str, os.PathLike), "a folder path (str or pathlib.Path)")
         if self.save_onnx and not self.onnx_prefix:
             raise ValueError(
                 "DebugOptions(save_onnx=True) needs onnx_prefix, a file name prefix for the saved models "
@@ -218,6 +221,17 @@ class SessionSettings:
     release_torch_threads: bool = True
 
     def __post_init__(self) -> None:
+        require_type(self, "optimization_level", str, f"one of {', '.join(map(repr, _OPTIMIZATION_LEVELS))}")
+        require_type(self, "intra_op_num_threads", int, "an int >= 0 (0 lets ONNX Runtime decide)")
+        require_type(self, "allow_spinning", bool, "True or False")
+        require_type(self, "release_torch_threads", bool, "True or False")
+        if self.providers is not None and (
+            isinstance(self.providers, str) or not all(isinstance(p, str) for p in self.providers)
+        ):
+            raise TypeError(
+                f"providers={self.providers!r}: providers must be a list of execution provider names "
+                "(['CPUExecutionProvider']) or None."
+            )
         if self.optimization_level not in _OPTIMIZATION_LEVELS:
             allowed = ", ".join(_OPTIMIZATION_LEVELS)
             raise ValueError(f"optimization_level={self.optimization_level!r} is not one of {allowed}.")
@@ -244,6 +258,17 @@ _OPTIMIZATION_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+
+
+def require_type(owner: object, name: str, kind: type | tuple[type, ...], accepted: str) -> None:
+    """Raise a TypeError naming argument ``name`` of ``owner`` and the values it accepts, unless it is a ``kind``.
+
+    Example:
+        >>> require_type(SessionSettings(), "intra_op_num_threads", int, "an int >= 0")
+    """
+    value = getattr(owner, name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{name}={value!r} is not accepted: {name} must be {accepted}.")
 
 
 def configure_logger(level: LogLevel) -> logging.Logger:

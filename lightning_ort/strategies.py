@@ -5,7 +5,8 @@
 * ``"ort"``: :class:`ORTSingleDeviceStrategy`, the same on one device, so one config runs on a laptop.
 * ``"ort_fsdp"``: :class:`ORTFSDPStrategy`, PyTorch FSDP2 sharding each block, the blocks in ONNX Runtime.
 
-The names are registered when ``lightning_ort`` is imported.
+The names are registered when this module is imported, which ``lightning_ort`` does as soon as
+``lightning.pytorch`` is imported.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ort.callback import ORTCallback
+from lightning_ort import callback  # a module, not its class: importing Lightning may start here from callback
 from lightning_ort.config import ORTConfig, ort_arguments
 from lightning_ort.engine.blocks import mark_blocks
 from lightning_ort.errors import FallbackWarning
@@ -50,10 +51,10 @@ log = logging.getLogger(__name__)
 class _ORTStrategyMixin:
     """What both ORT strategies add: the ORTCallback they own and the wrapping step at the start of ``setup``."""
 
-    _ort: ORTCallback
+    _ort: callback.ORTCallback
 
     @property
-    def ort_callback(self) -> ORTCallback:
+    def ort_callback(self) -> callback.ORTCallback:
         """The callback that wraps the submodules and logs the ORT metrics."""
         return self._ort
 
@@ -95,7 +96,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        ort = ORTCallback(**ORTConfig.take_arguments(kwargs))
+        ort = callback.ORTCallback(**ORTConfig.take_arguments(kwargs))
         known = set(inspect.signature(DDPStrategy).parameters) | set(
             inspect.signature(DistributedDataParallel).parameters
         )
@@ -168,7 +169,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
         )
         # Lightning's accelerator connector fills an empty `parallel_devices` with the devices it chose.
         self.parallel_devices: list[torch.device] | None = [self._root_device] if device is not None else None
-        self._ort = ORTCallback(**ort_options)
+        self._ort = callback.ORTCallback(**ort_options)
 
     @property
     @override
@@ -256,7 +257,7 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
         )
         self._activation_checkpointing = activation_checkpointing
         self._reshard_after_forward = reshard_after_forward
-        self._ort = ORTCallback(**ort_options)
+        self._ort = callback.ORTCallback(**ort_options)
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -380,3 +381,6 @@ def register_strategies() -> None:
         for name in set(StrategyRegistry) - before:
             StrategyRegistry.remove(name)
         raise
+
+
+register_strategies()

@@ -51,3 +51,27 @@ def test_unknown_log_level_lists_the_allowed_values() -> None:
 
 def test_onnx_file_name_without_prefix(tmp_path: Path) -> None:
     assert DebugOptions(save_path=tmp_path).onnx_file("forward") == tmp_path / "training_forward.onnx"
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("intra_op_num_threads", "four"),
+        ("intra_op_num_threads", True),
+        ("allow_spinning", "yes"),
+        ("release_torch_threads", 1),
+        ("optimization_level", 99),
+        ("providers", 3),
+        ("log_metrics", "no"),
+        ("prog_bar", None),
+        ("dynamic", "auto"),
+        ("save_onnx", "true"),
+        ("profile", 1),
+        ("save_path", 42),
+    ],
+)
+def test_a_bad_argument_type_is_a_type_error_naming_the_argument(argument: str, value: object) -> None:
+    from lightning_ort import ORTCallback
+
+    with pytest.raises(TypeError, match=rf"^{argument}=.* must be "):
+        ORTCallback(**{argument: value})

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,3 +88,34 @@ def test_the_strategies_register_whether_lightning_is_imported_before_or_after()
             "print(sorted(name for name in StrategyRegistry if name.startswith('ort')))"
         )
         assert out.splitlines()[-1] == "['ort', 'ort_ddp', 'ort_ddp_spawn', 'ort_fsdp']", order
+
+
+def test_the_lightning_parts_load_first_and_still_register() -> None:
+    for first in ("lightning_ort.ORTCallback", "lightning_ort.ORTDDPStrategy", "lightning_ort.ORTFSDPStrategy"):
+        out = _python(
+            f"import lightning_ort\n{first}\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "print(sorted(name for name in StrategyRegistry if name.startswith('ort')))"
+        )
+        assert out.splitlines()[-1] == "['ort', 'ort_ddp', 'ort_ddp_spawn', 'ort_fsdp']", first
+
+
+def test_a_failed_registration_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_ort.strategies import ORTFSDPStrategy, register_strategies
+
+    names = ("ort", "ort_ddp", "ort_ddp_spawn", "ort_fsdp")
+    for name in names:
+        StrategyRegistry.remove(name)
+
+    def broken(cls: type, registry: object) -> None:
+        raise RuntimeError("registration failed")
+
+    monkeypatch.setattr(ORTFSDPStrategy, "register_strategies", classmethod(broken))
+    with pytest.raises(RuntimeError, match="registration failed"):
+        register_strategies()
+    assert not any(name in StrategyRegistry for name in names)
+    monkeypatch.undo()
+    register_strategies()
+    assert all(name in StrategyRegistry for name in names)
