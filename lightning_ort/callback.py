@@ -93,7 +93,8 @@ class ORTCallback(Callback):
         if not self._summary_shown:
             self._summary_shown = True
             rank_zero_info(
-                f"lightning_ort: ONNX Runtime runs these submodules (after the first step):\n{summary_table(modules)}"
+                f"lightning_ort: the wrapped submodules and where they ran (after the first step):\n"
+                f"{summary_table(modules)}"
             )
         self._log(pl_module, modules, on_step=True)
 

@@ -97,8 +97,12 @@ class ORTMetrics:
 
 
 def summary_table(modules: Mapping[str, ORTModule]) -> str:
-    """A small table of what was wrapped: path, class, parameters, providers, graphs and build time."""
-    header = ("module", "class", "params", "providers", "graphs", "PyTorch ops", "build s")
+    """A small table of what was wrapped: path, class, parameters, where it ran, providers, graphs, build time.
+
+    "ran in" is ``ONNX Runtime``, ``ONNX Runtime + PyTorch`` (ops, graphs or code between graphs in PyTorch), or
+    ``PyTorch`` for a module of which nothing ran in ONNX Runtime.
+    """
+    header = ("module", "class", "params", "ran in", "providers", "graphs", "PyTorch ops", "build s")
     rows = [header]
     for path, module in modules.items():
         stats = module.statistics
@@ -107,6 +111,7 @@ def summary_table(modules: Mapping[str, ORTModule]) -> str:
                 path,
                 type(original_module(module)).__name__,
                 f"{sum(p.numel() for p in module.parameters()):,}",
+                ran_in(stats),
                 ",".join(p.removesuffix("ExecutionProvider") for p in module.providers) or "-",
                 str(stats.cached_graphs),
                 str(stats.fallback_ops),
@@ -117,3 +122,19 @@ def summary_table(modules: Mapping[str, ORTModule]) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def ran_in(stats: CacheStatistics) -> str:
+    """Where a module's calls ran: ``"ONNX Runtime"``, ``"ONNX Runtime + PyTorch"`` or ``"PyTorch"``.
+
+    Example:
+        >>> ran_in(CacheStatistics(graphs=0, graph_breaks=2))
+        'PyTorch'
+        >>> ran_in(CacheStatistics(graphs=1, forward_runs=3, fallback_ops=1))
+        'ONNX Runtime + PyTorch'
+    """
+    if stats.forward_runs == 0:
+        return "PyTorch"
+    if stats.fallback_ops or stats.eager_signatures or stats.graph_breaks:
+        return "ONNX Runtime + PyTorch"
+    return "ONNX Runtime"

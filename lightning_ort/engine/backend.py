@@ -318,11 +318,11 @@ class DynamoEvents:
         if isinstance(error, BackendCompilerFailed):
             raise error.inner_exception from None
         if isinstance(error, (Unsupported, UserError)) and self._fallback == "raise":
+            reason = first_line(getattr(error, "msg", error))
             raise CaptureError(
                 f"{self._owner}: TorchDynamo cannot capture its forward as one graph at {user_frame(error)}: "
-                f"{first_line(getattr(error, 'msg', error))}. Express the branch with tensor ops "
-                "(torch.where, masking), move that code outside the wrapped module, or pass fallback='auto' to "
-                "run it in PyTorch between ONNX Runtime graphs."
+                f"{reason}. {break_advice(reason)} Or pass fallback='auto' to run that code in PyTorch between "
+                "ONNX Runtime graphs."
             ) from error
         if not self.compiled:
             return
@@ -333,11 +333,15 @@ class DynamoEvents:
             new = count - self._breaks.get(reason, 0)
             if new > 0:
                 self._log.add(graph_breaks=new)
+                rest = (
+                    "the graphs on both sides run in ONNX Runtime"
+                    if self._log.counts.graphs
+                    else "TorchDynamo captured no graph, so nothing of it runs in ONNX Runtime"
+                )
                 warn(
                     f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
-                    f"{first_line(reason)}. That code runs in PyTorch; the graphs on both sides run in ONNX "
-                    "Runtime. Run with TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this "
-                    "an error.",
+                    f"{first_line(reason)}. That code runs in PyTorch; {rest}. {break_advice(reason)} Run with "
+                    "TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this an error.",
                     FallbackWarning,
                 )
         for limit, value, function, reason in _LIMIT_FILTER.hits:
@@ -350,6 +354,29 @@ class DynamoEvents:
                 FallbackWarning,
             )
         _LIMIT_FILTER.hits.clear()
+
+
+def break_advice(reason: str) -> str:
+    """What to do about a graph break, by its cause as TorchDynamo words it.
+
+    Example:
+        >>> break_advice("Attempted to wrap sparse Tensor").split(":")[0]
+        'A sparse tensor reached the model'
+    """
+    lowered = reason.lower()
+    if "sparse" in lowered:
+        return (
+            "A sparse tensor reached the model: ONNX Runtime computes with dense tensors; pass `.to_dense()`, or "
+            "keep the sparse op outside the wrapped module."
+        )
+    if any(cue in lowered for cue in ("data-dependent", "data dependent", ".item()", "jump", "dynamic shape operator")):
+        return (
+            "The code depends on a tensor's value: express the branch with tensor ops (torch.where, masking), or "
+            "move that code outside the wrapped module."
+        )
+    if any(cue in lowered for cue in ("unsupported", "not supported", "attempted to call", "cannot")):
+        return "TorchDynamo cannot trace that call or argument type: move that code outside the wrapped module."
+    return "Move that code outside the wrapped module if it should not run in PyTorch."
 
 
 class _RecompileLimitFilter(logging.Filter):

@@ -1,0 +1,56 @@
+"""What lightning_ort reports is what happened: a module that ran nothing in ONNX Runtime is reported as PyTorch,
+and the advice names the cause."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ort import CaptureError, FallbackWarning, ORTModule
+from lightning_ort.metrics import ran_in, summary_table
+from tests.zoo import MLP
+
+
+class SparseProduct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, sparse: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(sparse, self.weight)
+
+
+def _sparse_input() -> torch.Tensor:
+    return torch.randn(3, 8, generator=torch.Generator().manual_seed(0)).relu().to_sparse()
+
+
+def test_a_module_that_ran_nothing_in_onnx_runtime_is_reported_as_pytorch() -> None:
+    model = ORTModule(SparseProduct())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(_sparse_input()).sum().backward()
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert messages and all("nothing of it runs in ONNX Runtime" in m for m in messages), messages
+    assert all("sparse tensor" in m and "both sides" not in m for m in messages)
+    stats = model.statistics
+    assert (stats.graphs, stats.forward_runs, stats.cache_hits, stats.cache_misses) == (0, 0, 0, 0)
+    assert ran_in(stats) == "PyTorch"
+    table = summary_table({"net": model}).splitlines()
+    assert "ran in" in table[0] and "PyTorch" in table[2] and "ONNX Runtime" not in table[2]
+
+
+def test_under_fallback_raise_the_advice_names_the_sparse_input() -> None:
+    model = ORTModule(SparseProduct(), fallback="raise")
+    with pytest.raises(CaptureError, match=r"sparse tensor reached the model.*to_dense"):
+        model(_sparse_input())
+
+
+def test_a_module_that_ran_in_onnx_runtime_is_reported_so() -> None:
+    model = ORTModule(MLP())
+    model(torch.randn(2, 16)).sum().backward()
+    assert ran_in(model.statistics) == "ONNX Runtime"
+    assert "ONNX Runtime" in summary_table({"net": model}).splitlines()[2]
