@@ -247,7 +247,12 @@ class ORTModule(nn.Module):
             with (
                 _CALLS,
                 trace_recurrent_layers(),
-                DynamoEvents(self._backend.build_log, type(self._original_module).__name__, self.fallback),
+                DynamoEvents(
+                    self._backend.build_log,
+                    type(self._original_module).__name__,
+                    self.fallback,
+                    self._backend.warned,
+                ),
             ):
                 output = self._compiled(self._original_module, *args, **kwargs)
         except UncapturedHigherOrderOpError as error:

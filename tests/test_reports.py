@@ -54,3 +54,26 @@ def test_a_module_that_ran_in_onnx_runtime_is_reported_so() -> None:
     model(torch.randn(2, 16)).sum().backward()
     assert ran_in(model.statistics) == "ONNX Runtime"
     assert "ONNX Runtime" in summary_table({"net": model}).splitlines()[2]
+
+
+def test_a_graph_break_warns_once_per_model_and_folds_dynamos_own_log(capfd: pytest.CaptureFixture[str]) -> None:
+    class ItemBreak(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scale = float(x.abs().max().item())  # a graph break: the value leaves the graph
+            return self.linear(x) * scale
+
+    model = ORTModule(ItemBreak())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with warnings.catch_warnings():  # as Lightning's loops do, which resets Python's own deduplication
+                warnings.simplefilter("always")
+                model(torch.randn(2, 4)).sum().backward()
+    breaks = [w for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(breaks) == 1, [str(w.message) for w in breaks]
+    assert "Tensor.item()" in str(breaks[0].message) and "tensor's value" in str(breaks[0].message)
+    assert "Graph break" not in capfd.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ class ORTBackend:
     def __init__(self, options: BuildOptions | None = None, owner: str = "the model") -> None:
         self._options = options if options is not None else BuildOptions()
         self._owner = owner
+        self._warned: set[str] = set()
         self._log = BuildLog()
         self._graphs: list[CapturedGraph] = []
         self._blocks = BlockGraphs()
@@ -110,6 +112,11 @@ class ORTBackend:
     @property
     def options(self) -> BuildOptions:
         return self._options
+
+    @property
+    def warned(self) -> set[str]:
+        """The fallback warnings already issued for this backend's model (each is issued once)."""
+        return self._warned
 
     @property
     def build_log(self) -> BuildLog:
@@ -275,10 +282,14 @@ class DynamoEvents:
     compiled with ``fullgraph=True`` and TorchDynamo's refusal becomes a :class:`CaptureError` naming the file and
     line. An error raised in the backend reaches the caller as itself, not wrapped by TorchDynamo.
 
+    Each warning is issued once per model (``warned`` keeps the ones issued), and TorchDynamo's own log lines
+    about graph breaks are folded into it while the call runs, unless ``TORCH_LOGS`` asks for ``graph_breaks``.
+
     Args:
         build_log: where graph breaks and recompile-limit hits are counted.
         owner: the model's name, for messages.
         fallback: the model's fallback policy.
+        warned: the warnings already issued for this model (updated).
 
     Example:
         >>> backend = ORTBackend()
@@ -289,10 +300,11 @@ class DynamoEvents:
         True
     """
 
-    def __init__(self, build_log: BuildLog, owner: str, fallback: Fallback) -> None:
+    def __init__(self, build_log: BuildLog, owner: str, fallback: Fallback, warned: set[str] | None = None) -> None:
         self._log = build_log
         self._owner = owner
         self._fallback = fallback
+        self._warned = warned if warned is not None else set()
         self._frames = 0
         self._breaks: dict[str, int] = {}
         self._fastpath = True
@@ -303,6 +315,7 @@ class DynamoEvents:
         self._breaks = dict(counters["graph_break"])
         _LIMIT_FILTER.hits.clear()
         _LIMIT_FILTER.active = True
+        _BREAK_LOGS.active = True
         PENDING_WARNINGS.collecting = True
         PENDING_WARNINGS.messages.clear()
         # nn.TransformerEncoder's inference fast path is one fused op without an ONNX translation.
@@ -313,6 +326,7 @@ class DynamoEvents:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
         torch.backends.mha.set_fastpath_enabled(self._fastpath)
         _LIMIT_FILTER.active = False
+        _BREAK_LOGS.active = False
         PENDING_WARNINGS.collecting = False
         self.compiled = counters["frames"]["total"] != self._frames
         if isinstance(error, BackendCompilerFailed):
@@ -327,7 +341,7 @@ class DynamoEvents:
         if not self.compiled:
             return
         for message in PENDING_WARNINGS.messages:
-            warn(message, FallbackWarning)
+            self._warn(message)
         PENDING_WARNINGS.messages.clear()
         for reason, count in counters["graph_break"].items():
             new = count - self._breaks.get(reason, 0)
@@ -338,22 +352,26 @@ class DynamoEvents:
                     if self._log.counts.graphs
                     else "TorchDynamo captured no graph, so nothing of it runs in ONNX Runtime"
                 )
-                warn(
+                self._warn(
                     f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
                     f"{first_line(reason)}. That code runs in PyTorch; {rest}. {break_advice(reason)} Run with "
-                    "TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this an error.",
-                    FallbackWarning,
+                    "TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this an error."
                 )
         for limit, value, function, reason in _LIMIT_FILTER.hits:
             self._log.add(recompile_limit_hits=1)
-            warn(
+            self._warn(
                 f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
                 f"torch._dynamo.config.{limit} ({value}) recompiling it, last because {reason}. A value that "
                 "changes every step (a Python float or int argument, a shape with dynamic=False) causes this: pass "
-                "it as a tensor, construct the module with dynamic=True, or raise the limit.",
-                FallbackWarning,
+                "it as a tensor, construct the module with dynamic=True, or raise the limit."
             )
         _LIMIT_FILTER.hits.clear()
+
+    def _warn(self, message: str) -> None:
+        """Issue ``message`` as a :class:`FallbackWarning` unless this model already had it."""
+        if message not in self._warned:
+            self._warned.add(message)
+            warn(message, FallbackWarning)
 
 
 def break_advice(reason: str) -> str:
@@ -414,3 +432,31 @@ class _RecompileLimitFilter(logging.Filter):
 
 _LIMIT_FILTER = _RecompileLimitFilter()
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)
+
+
+class _GraphBreakLogs(logging.Filter):
+    """Drops TorchDynamo's own log lines about graph breaks while :class:`DynamoEvents` watches a call on this
+    thread: the FallbackWarning says the same once. ``TORCH_LOGS=graph_breaks`` keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = threading.local()
+
+    @property
+    def active(self) -> bool:
+        return getattr(self._state, "active", False)
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._state.active = value
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.active or "graph_breaks" in os.environ.get("TORCH_LOGS", ""):
+            return True
+        return "graph break" not in str(record.msg).lower()
+
+
+_BREAK_LOGS = _GraphBreakLogs()
+for _logger in ("torch._dynamo.variables.tensor", "torch._dynamo.symbolic_convert", "torch._dynamo.variables.builtin"):
+    logging.getLogger(_logger).addFilter(_BREAK_LOGS)
