@@ -16,6 +16,9 @@ Logged names and their cross-rank reduction:
   summed over submodules, then the **maximum** over ranks.
 * ``ort/block_reuses``: block instances that reused a block graph instead of exporting their own, **summed**
   over submodules and ranks.
+* ``ort/onnx_runtime_share``: the share of the captured graphs' ops that ONNX Runtime runs (1.0: all; the ops
+  of graphs that run entirely in PyTorch count as not run; 0 while no graph was captured), over all
+  submodules, then the **minimum** over ranks. Shown in the progress bar with ``prog_bar=True``.
 * ``ort/graph_breaks``: graph breaks (Python TorchDynamo could not trace, run in PyTorch between graphs),
   summed over submodules, then the **maximum** over ranks. ``0`` means each network is one graph.
 """
@@ -26,7 +29,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
-from torchmetrics import MaxMetric, Metric, SumMetric
+from torchmetrics import MaxMetric, Metric, MinMetric, SumMetric
 
 from lightning_ort.engine.backend import CacheStatistics
 from lightning_ort.module import ORTModule, original_module
@@ -39,6 +42,7 @@ CACHE_MISSES = "ort/cache_misses"
 BLOCK_GRAPHS = "ort/block_graphs"
 BLOCK_REUSES = "ort/block_reuses"
 GRAPH_BREAKS = "ort/graph_breaks"
+ONNX_RUNTIME_SHARE = "ort/onnx_runtime_share"
 
 
 def total_statistics(modules: Mapping[str, ORTModule]) -> CacheStatistics:
@@ -59,7 +63,8 @@ class ORTMetrics:
         >>> values = metrics.compute(CacheStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
         >>> {name: float(value) for name, value in values.items()}  # doctest: +NORMALIZE_WHITESPACE
         {'ort/export_time_s': 1.5, 'ort/capture_time_s': 0.0, 'ort/cache_hits': 3.0, 'ort/cache_misses': 2.0,
-         'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0, 'ort/graph_breaks': 0.0}
+         'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0, 'ort/graph_breaks': 0.0,
+         'ort/onnx_runtime_share': 0.0}
     """
 
     def __init__(self) -> None:
@@ -72,6 +77,7 @@ class ORTMetrics:
             BLOCK_GRAPHS: MaxMetric(),
             BLOCK_REUSES: SumMetric(),
             GRAPH_BREAKS: MaxMetric(),
+            ONNX_RUNTIME_SHARE: MinMetric(),
         }
 
     def compute(self, stats: CacheStatistics, device: torch.device | None = None) -> dict[str, torch.Tensor]:
@@ -85,6 +91,7 @@ class ORTMetrics:
             BLOCK_GRAPHS: float(stats.block_graphs),
             BLOCK_REUSES: float(stats.block_reuses),
             GRAPH_BREAKS: float(stats.graph_breaks or 0),
+            ONNX_RUNTIME_SHARE: float(stats.onnx_runtime_share or 0.0),  # 0 while nothing ran in ONNX Runtime
         }
         values = {}
         for name, metric in self._metrics.items():

@@ -77,3 +77,24 @@ def test_a_graph_break_warns_once_per_model_and_folds_dynamos_own_log(capfd: pyt
     assert len(breaks) == 1, [str(w.message) for w in breaks]
     assert "Tensor.item()" in str(breaks[0].message) and "tensor's value" in str(breaks[0].message)
     assert "Graph break" not in capfd.readouterr().err
+
+
+def test_the_share_of_ops_in_onnx_runtime_counts_the_fallback_ops() -> None:
+    from tests.custom_ops import CustomOpMLP
+
+    full = ORTModule(MLP())
+    full(torch.randn(2, 16)).sum().backward()
+    assert full.statistics.onnx_runtime_share == 1.0 and full.statistics.graph_ops > 0
+    partial = ORTModule(CustomOpMLP())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        partial(torch.randn(2, 8)).sum().backward()
+    stats = partial.statistics
+    assert stats.fallback_ops >= 1
+    assert stats.onnx_runtime_share == (stats.graph_ops - stats.fallback_ops) / stats.graph_ops
+    assert 0 < stats.onnx_runtime_share < 1
+    nothing = ORTModule(SparseProduct())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nothing(_sparse_input())
+    assert nothing.statistics.onnx_runtime_share is None

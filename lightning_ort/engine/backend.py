@@ -79,6 +79,20 @@ class CacheStatistics(BuildCounts):
     block_reuses: int = 0
 
     @property
+    def onnx_runtime_share(self) -> float | None:
+        """The share of the built graphs' ops that ONNX Runtime runs (``None`` before any graph).
+
+        Counts the ops of the graphs TorchDynamo captured: code between graphs (graph breaks) is not an op of any
+        graph, and ``graph_breaks`` counts it instead.
+
+        Example:
+            >>> CacheStatistics(graph_ops=90, fallback_ops=9, eager_ops=10).onnx_runtime_share
+            0.81
+        """
+        total = self.graph_ops + self.eager_ops
+        return (self.graph_ops - self.fallback_ops) / total if total else None
+
+    @property
     def build_seconds(self) -> float:
         """A graph's first-call cost, without TorchDynamo's own tracing: ``capture_seconds + export_seconds``."""
         return self.capture_seconds + self.export_seconds

@@ -106,6 +106,9 @@ class BuildCounts:
         fallback_ops: ops of the built graphs that run in PyTorch because ONNX cannot express them.
         eager_signatures: TorchDynamo graphs that run entirely in PyTorch (ONNX Runtime could not build them).
         graphs: TorchDynamo graphs built so far; more than one per call means graph breaks.
+        graph_ops: ATen ops of the forward, backward and inference graphs built (a block graph's once), including
+            the ``fallback_ops`` among them.
+        eager_ops: ops of the TorchDynamo graphs that run entirely in PyTorch (``eager_signatures``).
         graph_breaks: graph breaks TorchDynamo reported: Python it could not trace, run in PyTorch between graphs.
             ``None`` where nothing watched TorchDynamo's calls (a backend used alone with ``torch.compile``).
         recompile_limit_hits: code TorchDynamo stopped compiling after too many recompilations (it runs in
@@ -125,6 +128,8 @@ class BuildCounts:
     fallback_ops: int = 0
     eager_signatures: int = 0
     graphs: int = 0
+    graph_ops: int = 0
+    eager_ops: int = 0
     graph_breaks: int | None = 0
     recompile_limit_hits: int | None = 0
 
@@ -241,7 +246,7 @@ class CapturedGraph:
                     first_line(err),
                 )
                 return PerShapeGraphs(self)
-            self._log.add(eager_signatures=1)
+            self._log.add(eager_signatures=1, eager_ops=op_count(self._gm))
             warn_fallback(
                 f"lightning_ort: {self._owner} runs in PyTorch for one of its graphs: ONNX Runtime could not build "
                 f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, onnx_prefix='model', "
@@ -306,6 +311,14 @@ class CapturedGraph:
         return compile_graph
 
     def _build(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, kind: str = "forward"
+    ) -> GraphRunner:
+        """A runner for ``gm`` (see :meth:`_runner`), its ops counted in ``graph_ops``."""
+        runner = self._runner(gm, example_inputs, name, kind)
+        self._log.add(graph_ops=op_count(gm))
+        return runner
+
+    def _runner(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str, kind: str = "forward"
     ) -> GraphRunner:
         """A runner for ``gm``: one session, or partitions around the ops and blocks that run apart from it."""
@@ -601,6 +614,17 @@ _BISECTED: dict[type[Exception], str] = {
 
 _SAVED_FROM = "lightning_ort_saved_from"
 """``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""
+
+
+def op_count(gm: torch.fx.GraphModule) -> int:
+    """The ops of ``gm``: its function calls, less tuple indexing and calls of block graphs (counted in theirs)."""
+    return sum(
+        1
+        for node in gm.graph.nodes
+        if node.op in ("call_function", "call_method", "call_module")
+        and node.target is not operator.getitem
+        and not isinstance(node.target, BlockCall)
+    )
 
 
 def _raised_at(err: BaseException) -> str:

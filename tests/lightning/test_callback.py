@@ -51,6 +51,7 @@ def test_metrics_reach_callback_metrics_and_csv(tmp_path: Path) -> None:
     assert isinstance(model.net, ORTModule)
     assert float(metrics["ort/export_time_s"]) > 0
     assert float(metrics["ort/cache_misses"]) == 2  # the training graph and the validation (eval) graph
+    assert (float(metrics["ort/onnx_runtime_share"]), float(metrics["ort/graph_breaks"])) == (1.0, 0.0)
     rows = [r for r in _csv_rows(tmp_path) if r.get("ort/cache_hits")]
     hits = [float(r["ort/cache_hits"]) for r in rows]
     assert len(hits) >= 6
@@ -149,6 +150,7 @@ def test_bf16_mixed_trains_like_plain_lightning_with_per_op_fallback_on_cpu(tmp_
     assert model.net.statistics.backward_runs == 4 * 2, "4 steps, the block graph of 2 layers each"
     assert model.net.statistics.fallback_ops > 0  # bfloat16 matmuls: no CPU kernels in ONNX Runtime
     assert model.trainer.callback_metrics["ort/fallback_ops"] > 0
+    assert 0 < model.trainer.callback_metrics["ort/onnx_runtime_share"] < 1
 
 
 class LossRecorder(pl.Callback):
