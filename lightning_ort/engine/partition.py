@@ -100,12 +100,12 @@ def _ignored_argument(node: torch.fx.Node) -> str | None:
 
 def _output_padding_past_stride(node: torch.fx.Node) -> bool:
     """A transposed convolution with an ``output_padding`` not below its ``stride`` (PyTorch allows it below the
-    dilation instead; ONNX Runtime rejects it when the graph runs)."""
+    dilation instead; ONNX Runtime rejects it when the graph runs). Sizes still symbolic are not judged here."""
     if node.target is not aten.convolution.default or not node.args[6]:
         return False
     stride, output_padding = node.args[3], node.args[7]
     assert isinstance(stride, (list, tuple)) and isinstance(output_padding, (list, tuple))
-    return any(int(p) >= int(s) for p, s in zip(output_padding, stride))
+    return any(isinstance(p, int) and isinstance(s, int) and p >= s for p, s in zip(output_padding, stride))
 
 
 def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:

@@ -84,9 +84,12 @@ def test_parameters_and_optimizer_state_are_sharded(runs: dict[str, Any]) -> Non
 
 
 def test_activation_checkpointing_recomputes_in_the_backward_graph(runs: dict[str, Any]) -> None:
-    kept = runs["ort"][0]["graph_outputs"]["forward"]
-    recomputed = runs["checkpointed"][0]["graph_outputs"]["forward"]
-    assert recomputed == 1 < kept, "the checkpointed forward returns the block output and saves nothing"
+    def forward_graphs(name: str) -> list[int]:  # the block's forward graph (torch 2.11 may name it otherwise)
+        return [count for graph, count in runs[name][0]["graph_outputs"].items() if graph.startswith("forward")]
+
+    kept, recomputed = forward_graphs("ort"), forward_graphs("checkpointed")
+    assert kept and recomputed, runs["ort"][0]["graph_outputs"]
+    assert set(recomputed) == {1} and min(kept) > 1, "the checkpointed forward returns the block output, saves nothing"
 
 
 def test_sharded_and_full_checkpoints_load_strictly_into_the_plain_model(runs: dict[str, Any]) -> None:
