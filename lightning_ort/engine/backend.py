@@ -411,11 +411,9 @@ def break_advice(reason: str) -> str:
     return "Move that code outside the wrapped module if it should not run in PyTorch."
 
 
-class _RecompileLimitFilter(logging.Filter):
-    """Records TorchDynamo's "hit config.recompile_limit" warnings while :class:`DynamoEvents` watches a call.
-
-    TorchDynamo compiles on the calling thread, so what it logs is recorded for that thread only.
-    """
+class _CallFilter(logging.Filter):
+    """A log filter switched on while :class:`DynamoEvents` watches a call, per thread (TorchDynamo compiles and
+    logs on the calling thread)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -428,6 +426,10 @@ class _RecompileLimitFilter(logging.Filter):
     @active.setter
     def active(self, value: bool) -> None:
         self._state.active = value
+
+
+class _RecompileLimitFilter(_CallFilter):
+    """Records TorchDynamo's "hit config.recompile_limit" warnings, for this thread's call only."""
 
     @property
     def hits(self) -> list[tuple[str, ...]]:
@@ -448,21 +450,9 @@ _LIMIT_FILTER = _RecompileLimitFilter()
 logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)
 
 
-class _GraphBreakLogs(logging.Filter):
-    """Drops TorchDynamo's own log lines about graph breaks while :class:`DynamoEvents` watches a call on this
-    thread: the FallbackWarning says the same once. ``TORCH_LOGS=graph_breaks`` keeps them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._state = threading.local()
-
-    @property
-    def active(self) -> bool:
-        return getattr(self._state, "active", False)
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self._state.active = value
+class _GraphBreakLogs(_CallFilter):
+    """Drops TorchDynamo's own log lines about graph breaks during the call: the FallbackWarning says the same
+    once. ``TORCH_LOGS=graph_breaks`` keeps them."""
 
     @override
     def filter(self, record: logging.LogRecord) -> bool:
