@@ -54,7 +54,6 @@ class DiskCache:
 
         Example:
             >>> import tempfile
-    import threading
             >>> cache = DiskCache(tempfile.mkdtemp())
             >>> cache.enabled
             True
@@ -227,7 +226,7 @@ def _source_to_json(source: Source) -> Any:
 def _source_from_json(value: Any) -> Any:
     if isinstance(value, dict) and "reshape" in value:
         return ReshapedOutput(_source_from_json(value["reshape"]), _sizes_from_json(value["shape"]))
-    return PassedInput(value["input"]) if isinstance(value, dict) else _size_from_json(value)
+    return PassedInput(value["input"]) if isinstance(value, dict) and "input" in value else _size_from_json(value)
 
 
 def _size_to_json(size: Size | None) -> Any:
