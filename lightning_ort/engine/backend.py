@@ -33,6 +33,7 @@ from lightning_ort.engine.capture import (
 )
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.torch_internals import (
+    TRACES_RECURRENT_LAYERS,
     BackendCompilerFailed,
     Unsupported,
     UserError,
@@ -284,7 +285,11 @@ def trace_recurrent_layers() -> contextlib.AbstractContextManager[None]:
 
     It breaks the graph at them otherwise, and they run in PyTorch; traced, they run in ONNX Runtime like any other
     op. The setting is TorchDynamo's, process-wide: it is set for ORTModule's calls only and restored after each.
+    Not on torch releases that trace them wrongly
+    (:data:`~lightning_ort.engine.torch_internals.TRACES_RECURRENT_LAYERS`).
     """
+    if not TRACES_RECURRENT_LAYERS:
+        return contextlib.nullcontext()
     return dynamo_config.patch(allow_rnn=True)
 
 

@@ -48,15 +48,15 @@ _SUFFIX = ".ortgraph"
 class DiskCache:
     """A folder of exported graphs shared by processes and runs.
 
-        Args:
-            directory: the folder; created if missing. If it cannot be written, a warning says so and the cache
-                stays off (training continues, graphs are exported as without a cache).
+    Args:
+        directory: the folder; created if missing. If it cannot be written, a warning says so and the cache
+            stays off (training continues, graphs are exported as without a cache).
 
-        Example:
-            >>> import tempfile
-            >>> cache = DiskCache(tempfile.mkdtemp())
-            >>> cache.enabled
-            True
+    Example:
+        >>> import tempfile
+        >>> cache = DiskCache(tempfile.mkdtemp())
+        >>> cache.enabled
+        True
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.torch_version import TorchVersion
 
 TORCH_FLOOR = "2.11"
 """The oldest torch release the package is tested with (``nox -s compat``)."""
@@ -68,6 +69,11 @@ SIZE_FUNCTIONS: dict[str, Any] = {
 HigherOrderOperator, OpOverload = require("torch._ops", "HigherOrderOperator", "OpOverload")
 AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"
 """The logger AOTAutograd reports a deferred backward compilation failure to."""
+
+
+TRACES_RECURRENT_LAYERS = TorchVersion(torch.__version__) >= (2, 13)
+"""Whether TorchDynamo traces ``nn.LSTM`` correctly with ``allow_rnn``: torch 2.11 traces an LSTM given a hidden
+state into a graph that fails (``hx and cx should also be 3-D``), so there recurrent layers stay graph breaks."""
 
 
 def recompile_reason() -> str | None:
