@@ -71,7 +71,7 @@ AOT_GRAPH_COMPILE_LOG = "torch._functorch._aot_autograd.graph_compile"
 """The logger AOTAutograd reports a deferred backward compilation failure to."""
 
 
-TRACES_RECURRENT_LAYERS = TorchVersion(torch.__version__) >= (2, 13)
+TRACES_RECURRENT_LAYERS: bool = TorchVersion(torch.__version__) >= (2, 13)  # type: ignore[operator]
 """Whether TorchDynamo traces ``nn.LSTM`` correctly with ``allow_rnn``: torch 2.11 traces an LSTM given a hidden
 state into a graph that fails (``hx and cx should also be 3-D``), so there recurrent layers stay graph breaks."""
 
