@@ -6,7 +6,6 @@ import functools
 import itertools
 import logging
 import os
-import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -245,7 +244,6 @@ class ORTModule(nn.Module):
         graphs = self._backend.build_log.counts.graphs
         try:
             with (
-                _CALLS,
                 trace_recurrent_layers(),
                 DynamoEvents(
                     self._backend.build_log,
@@ -452,7 +450,3 @@ def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 _ENTRY_POINTS = itertools.count()
-
-_CALLS = threading.RLock()
-"""Held by ORTModule's forward calls: TorchDynamo's and AOTAutograd's tracing state is process-wide, so models
-called from several threads take turns through it (ONNX Runtime's own threads still run each graph)."""

@@ -96,3 +96,68 @@ def test_two_models_train_from_two_threads_at_once() -> None:
             weighted_loss(eager(x)).backward()
         assert_grads_close(model, eager)
         assert model.statistics.backward_runs == 4 and model.statistics.cache_misses == 1
+
+
+def test_first_use_initialisers_run_once_under_threads() -> None:
+    import time
+
+    from lightning_ort.engine.once import Once
+
+    calls: list[int] = []
+
+    def slow() -> int:
+        calls.append(1)
+        time.sleep(0.05)
+        return len(calls)
+
+    shared = Once(slow)
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(shared())) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [1] and results == [1] * 8
+
+
+def test_held_back_warnings_belong_to_their_thread() -> None:
+    from lightning_ort.engine.capture import PENDING_WARNINGS
+
+    seen: list[bool] = []
+    PENDING_WARNINGS.collecting = True
+    try:
+        thread = threading.Thread(target=lambda: seen.append(PENDING_WARNINGS.collecting))
+        thread.start()
+        thread.join()
+    finally:
+        PENDING_WARNINGS.collecting = False
+    assert seen == [False]
+
+
+def test_two_models_compile_and_infer_from_two_threads_at_once() -> None:
+    torch.manual_seed(0)
+    eagers = [MLP(), MLP()]
+    wrapped = [ORTModule(copy.deepcopy(model)) for model in eagers]
+    inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    outputs: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def infer(index: int) -> None:
+        try:
+            barrier.wait()
+            with torch.no_grad():
+                outputs[index] = wrapped[index](inputs[index])
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=infer, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    for index, (eager, model) in enumerate(zip(eagers, wrapped)):
+        with torch.no_grad():
+            torch.testing.assert_close(outputs[index], eager(inputs[index]), rtol=1e-4, atol=1e-5)
+        assert model.statistics.forward_runs == 1
