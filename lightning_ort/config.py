@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from lightning_ort.options import (
+    PROVIDERS_ACCEPTED,
     DebugOptions,
     Fallback,
     LogLevel,
     SessionSettings,
+    argument_type_error,
     parse_fallback,
     parse_log_level,
     require_type,
@@ -100,10 +102,7 @@ class ORTConfig:
         require_type(self, "prog_bar", bool, "True or False")
         require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
         if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
-            raise TypeError(
-                f"providers={self.providers!r} is not accepted: providers must be a list of execution provider "
-                "names (['CPUExecutionProvider']) or None."
-            )
+            raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)
         providers = _names(self.providers) or None
         normalised = {
             "modules": _names(self.modules),

@@ -256,7 +256,7 @@ class ORTModule(nn.Module):
         except UncapturedHigherOrderOpError as error:
             self._drop_uncaptured_block(error)
             return self.forward(*args, **kwargs)
-        if self._backend.build_log.counts.graphs:  # a call that ran no graph is neither a cache hit nor a miss
+        if self._backend.build_log.counts.graphs:  # with no graph yet, a call is neither a cache hit nor a miss
             self._calls += 1
         if self._backend.build_log.counts.graphs != graphs:
             self._building_calls += 1

@@ -228,10 +228,7 @@ class SessionSettings:
         if self.providers is not None and (
             isinstance(self.providers, str) or not all(isinstance(p, str) for p in self.providers)
         ):
-            raise TypeError(
-                f"providers={self.providers!r}: providers must be a list of execution provider names "
-                "(['CPUExecutionProvider']) or None."
-            )
+            raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)
         if self.optimization_level not in _OPTIMIZATION_LEVELS:
             allowed = ", ".join(_OPTIMIZATION_LEVELS)
             raise ValueError(f"optimization_level={self.optimization_level!r} is not one of {allowed}.")
@@ -268,7 +265,15 @@ def require_type(owner: object, name: str, kind: type | tuple[type, ...], accept
     """
     value = getattr(owner, name)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TypeError(f"{name}={value!r} is not accepted: {name} must be {accepted}.")
+        raise argument_type_error(name, value, accepted)
+
+
+def argument_type_error(name: str, value: object, accepted: str) -> TypeError:
+    """The TypeError for argument ``name`` given ``value``, saying what it accepts."""
+    return TypeError(f"{name}={value!r} is not accepted: {name} must be {accepted}.")
+
+
+PROVIDERS_ACCEPTED = "a list of execution provider names (['CPUExecutionProvider']) or None"
 
 
 def configure_logger(level: LogLevel) -> logging.Logger:

@@ -9,6 +9,7 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -74,22 +75,12 @@ def test_two_models_train_from_two_threads_at_once() -> None:
     for eager, model, x in zip(eagers, wrapped, inputs):
         weighted_loss(eager(x)).backward()
         weighted_loss(model(x)).backward()
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
 
     def train(index: int) -> None:
-        try:
-            barrier.wait()
-            for _ in range(3):
-                weighted_loss(wrapped[index](inputs[index])).backward()
-        except BaseException as err:  # reported by the main thread
-            errors.append(err)
+        for _ in range(3):
+            weighted_loss(wrapped[index](inputs[index])).backward()
 
-    threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
+    errors = _at_once(train, 2)
     assert not errors, errors
     for eager, model, x in zip(eagers, wrapped, inputs):
         for _ in range(3):
@@ -112,11 +103,7 @@ def test_first_use_initialisers_run_once_under_threads() -> None:
 
     shared = Once(slow)
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(shared())) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    assert not _at_once(lambda _: results.append(shared()), 8)
     assert calls == [1] and results == [1] * 8
 
 
@@ -140,24 +127,34 @@ def test_two_models_compile_and_infer_from_two_threads_at_once() -> None:
     wrapped = [ORTModule(copy.deepcopy(model)) for model in eagers]
     inputs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     outputs: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
 
     def infer(index: int) -> None:
-        try:
-            barrier.wait()
-            with torch.no_grad():
-                outputs[index] = wrapped[index](inputs[index])
-        except BaseException as err:  # reported by the main thread
-            errors.append(err)
+        with torch.no_grad():
+            outputs[index] = wrapped[index](inputs[index])
 
-    threads = [threading.Thread(target=infer, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
+    errors = _at_once(infer, 2)
     assert not errors, errors
     for index, (eager, model) in enumerate(zip(eagers, wrapped)):
         with torch.no_grad():
             torch.testing.assert_close(outputs[index], eager(inputs[index]), rtol=1e-4, atol=1e-5)
         assert model.statistics.forward_runs == 1
+
+
+def _at_once(work: Callable[[int], None], count: int) -> list[BaseException]:
+    """Run ``work(0)`` to ``work(count - 1)`` in threads released together; the exceptions they raised."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait()
+            work(index)
+        except BaseException as err:  # reported by the caller
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return errors

@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 BlockSpec = str | type[nn.Module]
 """A block class, or its name (``"GPT2Block"``)."""
 
-_INVOKE_SUBGRAPH = INVOKE_SUBGRAPH
 _MARK = "_lightning_ort_block_forward"
 """Instance attribute set on every marked block: its wrapped ``forward``, to recognize and remove it."""
 
@@ -241,7 +240,7 @@ _MAX_REUSE_ENTRIES = 64
 
 def has_blocks(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` calls block subgraphs (``invoke_subgraph``)."""
-    return any(node.op == "call_function" and node.target is _INVOKE_SUBGRAPH for node in gm.graph.nodes)
+    return any(node.op == "call_function" and node.target is INVOKE_SUBGRAPH for node in gm.graph.nodes)
 
 
 def inline_blocks(gm: torch.fx.GraphModule) -> None:
@@ -251,7 +250,7 @@ def inline_blocks(gm: torch.fx.GraphModule) -> None:
     training, as ``BatchNorm`` does).
     """
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is _INVOKE_SUBGRAPH:
+        if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
             holder, _, *operands = node.args
             node.target = _call_subgraph
             node.args = (holder, *operands)
@@ -339,7 +338,7 @@ class BlockGraphs:
         """
         calls: set[str] = set()
         for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not _INVOKE_SUBGRAPH:
+            if node.op != "call_function" or node.target is not INVOKE_SUBGRAPH:
                 continue
             holder, _, *operands = node.args
             subgraph = getattr(gm, holder.target)

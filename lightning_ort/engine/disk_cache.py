@@ -19,7 +19,6 @@ import logging
 import os
 import struct
 import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from lightning_ort.engine.dynamic import Size
 from lightning_ort.engine.export import ExportedGraph
 from lightning_ort.engine.layout import OutputLayout, OutputSpec, PassedInput, ReshapedOutput, Source
 from lightning_ort.engine.noise import Noise
+from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx_passes import nchwc_block_size
 from lightning_ort.engine.torch_internals import SIZE_FUNCTIONS, FloorDiv
 from lightning_ort.errors import DiskCacheWarning, warn
@@ -160,10 +160,7 @@ def _versions() -> tuple[str, ...]:
     )
 
 
-_SOURCE_LOCK = threading.Lock()
-_SOURCE_HASH: list[str] = []
-
-
+@Once
 def source_hash() -> str:
     """SHA-256 of lightning_ort's Python source files: the code that turns graphs into ONNX models.
 
@@ -171,15 +168,12 @@ def source_hash() -> str:
         >>> len(source_hash())
         64
     """
-    with _SOURCE_LOCK:
-        if not _SOURCE_HASH:
-            digest = hashlib.sha256()
-            package = Path(__file__).resolve().parents[1]
-            for path in sorted(package.rglob("*.py")):
-                digest.update(str(path.relative_to(package)).encode())
-                digest.update(path.read_bytes())
-            _SOURCE_HASH.append(digest.hexdigest())
-        return _SOURCE_HASH[0]
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _encode(graph: ExportedGraph) -> bytes:
@@ -274,7 +268,7 @@ _EXPRESSIONS: dict[str, Any] = {
     "Min": sympy.Min,
     "Mod": sympy.Mod,
     "FloorDiv": FloorDiv,
-    **{name: cls for name, cls in SIZE_FUNCTIONS.items()},
+    **SIZE_FUNCTIONS,
 }
 """The sympy classes a stored size expression may use (TorchDynamo's symbolic sizes use no others)."""
 

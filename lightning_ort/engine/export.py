@@ -165,11 +165,10 @@ def onnx_registry() -> Any:
     """The exporter's table of ONNX translations at ``torch.onnx.export``'s default opset, built once.
 
     ``torch.onnx.export`` builds it again on every call (it indexes every torchlib function); the translation
-    never changes it, so one table serves every graph of the process. ``None`` on a torch whose exporter steps
-    are laid out otherwise (:func:`~lightning_ort.engine.torch_internals.exporter_steps`).
+    never changes it, so one table serves every graph of the process. Only asked for where the exporter's steps
+    are laid out as expected (:func:`~lightning_ort.engine.torch_internals.exporter_steps`).
     """
-    if EXPORTER_STEPS is None:
-        return None
+    assert EXPORTER_STEPS is not None
     with quiet_exporter(verbose=False):
         return EXPORTER_STEPS.registry_class.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
 

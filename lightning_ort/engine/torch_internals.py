@@ -53,17 +53,16 @@ BackendCompilerFailed, Unsupported, UserError, UncapturedHigherOrderOpError = re
 functorch_config: Any = importlib.import_module("torch._functorch.config")
 (min_cut_rematerialization_partition,) = require("torch._functorch.partitioners", "min_cut_rematerialization_partition")
 detect_fake_mode, tracing = require("torch._guards", "detect_fake_mode", "tracing")
-FakeTensor, FakeTensorMode, unset_fake_temporarily = require(
-    "torch._subclasses.fake_tensor", "FakeTensor", "FakeTensorMode", "unset_fake_temporarily"
-)
+FakeTensor, unset_fake_temporarily = require("torch._subclasses.fake_tensor", "FakeTensor", "unset_fake_temporarily")
 core_aten_decompositions, get_decompositions = require(
     "torch._decomp", "core_aten_decompositions", "get_decompositions"
 )
 (FloorDiv,) = require("torch.utils._sympy.functions", "FloorDiv")
+_SYMPY_FUNCTIONS = importlib.import_module("torch.utils._sympy.functions")
 SIZE_FUNCTIONS: dict[str, Any] = {
-    name: getattr(importlib.import_module("torch.utils._sympy.functions"), name)
+    name: getattr(_SYMPY_FUNCTIONS, name)
     for name in ("CeilToInt", "CleanDiv", "FloorToInt", "IntTrueDiv", "ModularIndexing", "PythonMod")
-    if hasattr(importlib.import_module("torch.utils._sympy.functions"), name)
+    if hasattr(_SYMPY_FUNCTIONS, name)
 }
 """torch's sympy functions that symbolic sizes can hold, by class name (those this torch has)."""
 HigherOrderOperator, OpOverload = require("torch._ops", "HigherOrderOperator", "OpOverload")

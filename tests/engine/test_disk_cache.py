@@ -146,7 +146,7 @@ def test_changed_package_source_or_provider_options_miss_the_cache(
 
     x = torch.randn(3, 16)
     _train_once(tmp_path, x)
-    monkeypatch.setattr(disk_cache, "_SOURCE_HASH", ["a different translation"])
+    monkeypatch.setattr(disk_cache, "source_hash", lambda: "a different translation")
     assert _train_once(tmp_path, x).statistics.disk_cache_loads == 0
     monkeypatch.undo()
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
