@@ -262,10 +262,10 @@ NETS: dict[str, tuple[Callable[[], nn.Module], int]] = {
 }
 """Each net and the eager runs on perturbed inputs its float64 check takes (:func:`assert_fp64_accuracy`).
 
-DenseNet's parameter gradients move by up to 6e-3 (relative) in eager PyTorch itself when its input moves by
-about 8 float32 ulps: some of its many ReLU inputs after batch norm lie that close to zero, and each one that
-changes side changes a batch-norm weight's gradient. Any computation that rounds otherwise than PyTorch's does
-the same, so its check measures eager's own spread.
+DenseNet's parameter gradients move in eager PyTorch itself when its input moves by a few float32 ulps: some of
+its many ReLU inputs after batch norm lie that close to zero, and each one that changes side changes a batch-norm
+weight's gradient. Any computation that rounds otherwise than PyTorch's does the same, so its check measures
+eager's own spread (the coverage page, "Accuracy against float64", has the figures).
 """
 
 
