@@ -10,7 +10,7 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningCLI
 from lit_lm import LitTransformerLM, SyntheticTokens
 
-import lightning_ort  # noqa: F401  (registers "ort", "ort_ddp", "ort_ddp_spawn" for --trainer.strategy)
+import lightning_ort  # noqa: F401  (registers "ort", "ort_ddp", "ort_ddp_spawn", "ort_fsdp" for --trainer.strategy)
 
 
 def main() -> None:

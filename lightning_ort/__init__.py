@@ -25,6 +25,7 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
 
 from lightning_ort.config import OptimizationLevel, ORTConfig
+from lightning_ort.deployment import DeployedModel, export_for_deployment
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
 from lightning_ort.engine.capture import BuildCounts
 from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
@@ -104,6 +105,7 @@ __all__ = [
     "CacheStatistics",
     "CaptureError",
     "DebugOptions",
+    "DeployedModel",
     "DiskCacheWarning",
     "ExportError",
     "Fallback",
@@ -123,5 +125,6 @@ __all__ = [
     "ORTBackend",
     "SessionError",
     "SessionSettings",
+    "export_for_deployment",
     "read_profiles",
 ]

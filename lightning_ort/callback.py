@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.utils._pytree as pytree
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ort.config import ORTConfig, ort_arguments
+from lightning_ort.deployment import FirstCall, export_for_deployment
+from lightning_ort.errors import ORTModuleError
 from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
-from lightning_ort.module import ORTModule
+from lightning_ort.module import ORTModule, original_module
 from lightning_ort.wrapping import wrap_submodules, wrapped_submodules
 
 log = logging.getLogger(__name__)
@@ -40,6 +49,8 @@ class ORTCallback(Callback):
         self._config = ORTConfig(**ort_options)
         self._metrics = ORTMetrics()
         self._summary_shown = False
+        self._first_calls: dict[str, FirstCall] = {}
+        self._unsharded: dict[str, nn.Module | None] = {}
 
     @property
     def config(self) -> ORTConfig:
@@ -69,9 +80,62 @@ class ORTCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.wrap(trainer, pl_module, missing_ok=True)
 
+    def keep_unsharded_copy(self, path: str, network: nn.Module | None) -> None:
+        """Keep ``network``, a copy of the wrapped network at ``path`` made before sharding, for ``export_onnx``.
+
+        A sharded network cannot run on one process; the export loads the gathered weights into this copy. Every
+        rank calls this: rank zero, which exports, with the copy, the others with ``None``.
+        """
+        self._unsharded[path] = network
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.wrap(trainer, pl_module)
+        modules = self.wrap(trainer, pl_module)
+        if self._config.export_onnx is not None:
+            self._first_calls = {path: FirstCall(module) for path, module in modules.items()}
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write ``export_onnx``'s deployment files from the trained weights (rank zero; the others wait)."""
+        first_calls, self._first_calls = self._first_calls, {}
+        if self._config.export_onnx is None:
+            return
+        modules = wrapped_submodules(pl_module)
+        for path, target in self._config.export_paths(list(modules)).items():
+            first = first_calls.get(path)
+            if first is not None:
+                first.remove()
+            if first is None or not first.called:
+                rank_zero_warn(
+                    f"lightning_ort: export_onnx: `{path}` was not called during fit, so there is no example input "
+                    f"to export it with; {target} was not written. Call it from training_step, or export it with "
+                    "ORTModule.export(path, *example_inputs)."
+                )
+                continue
+            network = self._deployable(path, modules[path])
+            if network is not None and trainer.is_global_zero:
+                _export(path, network, first, target)
+        trainer.strategy.barrier("lightning_ort.export_onnx")
+
+    def _deployable(self, path: str, wrapped: ORTModule) -> nn.Module | None:
+        """The network to export: the wrapped module, or its unsharded copy loaded with the gathered weights.
+
+        Gathering is a collective: every rank calls this (the unsharded copy is ``None`` except on rank zero).
+        """
+        network = original_module(wrapped)
+        if not any(isinstance(m, FSDPModule) for m in (wrapped, *network.modules())):
+            return network
+        if path not in self._unsharded:
+            raise ORTModuleError(
+                f"export_onnx: `{path}` is sharded by FSDP and no unsharded copy of it was kept. Use "
+                "strategy='ort_fsdp' (it keeps one when export_onnx is set), or export after gathering the weights."
+            )
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(network, options=options)
+        copy = self._unsharded[path]
+        if copy is not None:
+            copy.load_state_dict(state, strict=True, assign=True)
+        return copy
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -134,6 +198,19 @@ class ORTCallback(Callback):
                 batch_size=1,
                 sync_dist=False,
             )
+
+
+def _export(path: str, network: nn.Module, first: FirstCall, target: Path) -> None:
+    """Export ``network`` (at ``path`` in the LightningModule) to ``target``, its first call's inputs as example."""
+    device = next(itertools.chain(network.parameters(), network.buffers()), torch.empty(0)).device
+    args, kwargs = pytree.tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (first.args, first.kwargs)
+    )
+    deployed = export_for_deployment(network, target, args, kwargs, dynamic_shapes="batch", check=True)
+    rank_zero_info(
+        f"lightning_ort: exported `{path}` for deployment to {deployed.path}: inputs {deployed.inputs}, outputs "
+        f"{deployed.outputs}; checked against eager PyTorch (largest difference {deployed.max_error:.2e})"
+    )
 
 
 def _check_precision(trainer: pl.Trainer) -> None:

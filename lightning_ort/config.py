@@ -14,6 +14,7 @@ import os
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from lightning_ort.options import (
@@ -68,6 +69,11 @@ class ORTConfig:
             (transformer layers in an ``nn.ModuleList``) once and runs every instance through it, so the first
             step stops growing with depth; class names (``["GPT2Block"]``) choose them; ``None`` captures each
             network as one graph. See :class:`~lightning_ort.ORTModule`.
+        export_onnx: at the end of ``fit``, write each wrapped network's inference model for deployment (see
+            :meth:`~lightning_ort.ORTModule.export`): a ``.onnx`` file (one wrapped network; with several, each
+            file adds the network's path: ``model.net.onnx``) or a folder (``<folder>/<path>.onnx``). Rank zero
+            writes it from the trained weights (an ``"ort_fsdp"`` model is gathered first), with the network's
+            first inputs of the fit as the example, a symbolic batch axis, and the check against eager PyTorch.
         log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: also show those metrics in the progress bar.
 
@@ -92,6 +98,7 @@ class ORTConfig:
     cache_dir: str | os.PathLike[str] | None = None
     dynamic: bool | None = None
     blocks: Sequence[str] | str | None = "auto"
+    export_onnx: str | os.PathLike[str] | None = None
     log_metrics: bool = True
     prog_bar: bool = False
     debug_options: DebugOptions = field(init=False, repr=False, compare=False)
@@ -101,6 +108,7 @@ class ORTConfig:
         require_type(self, "log_metrics", bool, "True or False")
         require_type(self, "prog_bar", bool, "True or False")
         require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
+        require_type(self, "export_onnx", (str, os.PathLike, type(None)), "a .onnx file or a folder, or None")
         if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
             raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)
         providers = _names(self.providers) or None
@@ -110,6 +118,7 @@ class ORTConfig:
             "log_level": parse_log_level(self.log_level),
             "fallback": parse_fallback(self.fallback),
             "blocks": self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
+            "export_onnx": Path(self.export_onnx) if self.export_onnx is not None else None,
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -151,6 +160,26 @@ class ORTConfig:
             ({'save_onnx': True, 'onnx_prefix': 'lm'}, {'static_graph': True})
         """
         return {name: arguments.pop(name) for name in cls.argument_names() if name in arguments}
+
+    def export_paths(self, networks: Sequence[str]) -> dict[str, Path]:
+        """Where ``export_onnx`` puts each wrapped network's file, by the network's attribute path.
+
+        Example:
+            >>> ORTConfig(export_onnx="out/model.onnx").export_paths(["net"])
+            {'net': PosixPath('out/model.onnx')}
+            >>> ORTConfig(export_onnx="out/model.onnx").export_paths(["encoder", "decoder"])
+            {'encoder': PosixPath('out/model.encoder.onnx'), 'decoder': PosixPath('out/model.decoder.onnx')}
+            >>> ORTConfig(export_onnx="out").export_paths(["net"])
+            {'net': PosixPath('out/net.onnx')}
+        """
+        if self.export_onnx is None:
+            return {}
+        target = Path(self.export_onnx)
+        if target.suffix != ".onnx":
+            return {name: target / f"{name}.onnx" for name in networks}
+        if len(networks) == 1:
+            return {networks[0]: target}
+        return {name: target.with_name(f"{target.stem}.{name}.onnx") for name in networks}
 
     def debug_options_for(self, path: str) -> DebugOptions:
         """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""

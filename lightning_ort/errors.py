@@ -48,7 +48,8 @@ class CaptureError(LightningORTError):
 
 
 class ExportError(LightningORTError):
-    """ONNX export of a captured graph failed; the message names the op and where it came from."""
+    """ONNX export failed: of a captured graph (the message names the op and where it came from), or of a model
+    for deployment (the reason, or the output that differs from eager PyTorch)."""
 
 
 class SessionError(LightningORTError):

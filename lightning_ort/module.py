@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_ort.deployment import DeployedModel, DynamicShapes, export_for_deployment
 from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers
 from lightning_ort.engine.blocks import (
     BlockSpec,
@@ -200,7 +201,7 @@ class ORTModule(nn.Module):
 
     @property
     def graphs(self) -> list[str]:
-        """Names of the graphs built so far, as in saved file names (``["forward", "backward", "inference_1"]``)."""
+        """Names of the graphs built so far, as in saved file names (``["forward", "backward", "inference"]``)."""
         return [runner.name for _, runner in self._backend.runners()]
 
     def end_profiling(self, skip_runs: int = 1) -> KernelProfile:
@@ -232,6 +233,59 @@ class ORTModule(nn.Module):
         files = [path for _, runner in self._backend.runners() for path in runner.end_profiling()]
         self._backend.retire_block_graphs()
         return read_profiles(files, skip_runs=skip_runs)
+
+    def export(
+        self,
+        path: str | os.PathLike[str],
+        *example_args: Any,
+        dynamic_shapes: DynamicShapes = "batch",
+        check: bool = True,
+        external_data: bool | None = None,
+        **example_kwargs: Any,
+    ) -> DeployedModel:
+        """Write the wrapped module's inference forward to ``path`` as a portable ONNX model, and check it.
+
+        The file is for deployment, not the training graphs: weights are initializers (external data above 2 GB),
+        inputs are named after ``forward``'s parameters and outputs after what it returns (``logits``,
+        ``output_0``...), and no ONNX Runtime optimization specific to this machine is in it. The module is
+        exported in eval mode (dropout off, batch norm's running statistics) and gets its mode back. With
+        ``check`` the file is loaded into a fresh CPU ``onnxruntime.InferenceSession`` and compared with eager
+        PyTorch on the example, and on the example's batch doubled where the batch axis is symbolic. See
+        :func:`lightning_ort.deployment.export_for_deployment`.
+
+        Args:
+            path: the ``.onnx`` file to write.
+            *example_args: example positional arguments of ``forward`` (one batch).
+            dynamic_shapes: ``"batch"`` (default): axis 0 of the inputs that share the first input's batch size is
+                symbolic where the model allows; ``None``: all axes static; or ``{parameter: {axis: name}}``
+                (``{"input_ids": {0: "batch", 1: "sequence"}}``).
+            check: compare the file's outputs with eager PyTorch's (raises :class:`~lightning_ort.ExportError`
+                where they differ).
+            external_data: weights in a separate file: ``None`` (default) above 2 GB.
+            **example_kwargs: example keyword arguments of ``forward``.
+
+        Raises:
+            ORTModuleError: the module's parameters are sharded (FSDP); the ``"ort_fsdp"`` strategy's
+                ``export_onnx`` gathers them first.
+            ExportError: the export failed, or the file's outputs differ from eager PyTorch's.
+
+        Example:
+            >>> import tempfile
+            >>> model = ORTModule(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+            >>> model(torch.randn(3, 4)).sum().backward()
+            >>> deployed = model.export(Path(tempfile.mkdtemp()) / "model.onnx", torch.randn(3, 4))
+            >>> deployed.inputs, deployed.outputs
+            ({'input': ('batch', 4)}, {'output': ('batch', 2)})
+        """
+        module = self._original_module
+        if any(isinstance(m, FSDPModule) for m in (self, *module.modules())):
+            raise ORTModuleError(
+                f"{type(module).__name__} is sharded by FSDP: ORTModule.export needs its full weights on one "
+                "process. Use the 'ort_fsdp' strategy's export_onnx=..., which gathers them first."
+            )
+        return export_for_deployment(
+            module, path, example_args, example_kwargs, dynamic_shapes, check=check, external_data=external_data
+        )
 
     def clear_cache(self) -> None:
         """Drop every graph built so far; the next call compiles again. Statistics keep counting."""

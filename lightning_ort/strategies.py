@@ -11,7 +11,9 @@ The names are registered when this module is imported, which ``lightning_ort`` d
 
 from __future__ import annotations
 
+import copy
 import inspect
+import itertools
 import logging
 import warnings
 from datetime import timedelta
@@ -40,7 +42,7 @@ from typing_extensions import override
 
 from lightning_ort import callback  # a module, not its class: importing Lightning may start here from callback
 from lightning_ort.config import ORTConfig, ort_arguments
-from lightning_ort.engine.blocks import mark_blocks
+from lightning_ort.engine.blocks import mark_blocks, unmark_blocks
 from lightning_ort.errors import FallbackWarning
 from lightning_ort.module import ORTModule, original_module
 from lightning_ort.wrapping import wrapped_submodules
@@ -315,6 +317,8 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
         for path, network in networks.items():
             if isinstance(network, FSDPModule):
                 continue
+            if self._ort.config.export_onnx is not None:
+                self._ort.keep_unsharded_copy(path, unsharded_copy(network) if self.is_global_zero else None)
             blocks = shard_network(
                 network,
                 mesh,
@@ -365,6 +369,26 @@ def shard_network(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(network, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return blocks
+
+
+def unsharded_copy(network: ORTModule) -> nn.Module:
+    """A plain copy of the module ``network`` wraps, on the CPU and without block marks, to export after training.
+
+    Parameters not yet allocated (``trainer.init_module(empty_init=True)``) stay on the meta device; the export
+    assigns the gathered weights to them.
+
+    Example:
+        >>> from lightning_ort.engine.blocks import marked_blocks
+        >>> network = ORTModule(nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2))), blocks="auto")
+        >>> plain = unsharded_copy(network)
+        >>> type(plain).__name__, marked_blocks(plain)
+        ('Sequential', [])
+    """
+    plain = copy.deepcopy(original_module(network))
+    unmark_blocks(plain)
+    if not any(t.is_meta for t in itertools.chain(plain.parameters(), plain.buffers())):
+        plain = plain.cpu()
+    return plain
 
 
 def register_strategies() -> None:

@@ -73,7 +73,7 @@ def test_train_eval_and_no_grad_pick_separate_graphs() -> None:
     stats = wrapped.statistics
     assert stats.cache_misses == 2
     assert stats.backward_runs == 1 and stats.forward_runs == 2
-    assert wrapped.graphs == ["forward", "backward", "inference_1"]
+    assert wrapped.graphs == ["forward", "backward", "inference"]
 
 
 def test_to_float64_builds_a_graph_for_the_new_dtype() -> None:

@@ -22,8 +22,8 @@ def test_save_onnx_writes_checked_models_with_prefix(tmp_path: Path) -> None:
         wrapped.eval()(torch.randn(2, 16))
     names = sorted(p.name for p in (tmp_path / "onnx").glob("*.onnx"))
     assert names == [
-        "mlp_inference_1.onnx",
-        "mlp_inference_1_optimized.onnx",
+        "mlp_inference.onnx",
+        "mlp_inference_optimized.onnx",
         "mlp_training_backward.onnx",
         "mlp_training_backward_optimized.onnx",
         "mlp_training_forward.onnx",

@@ -29,6 +29,7 @@ from lightning_ort.engine.capture import (
     BuildLog,
     BuildOptions,
     CapturedGraph,
+    GraphNames,
     GraphRunner,
 )
 from lightning_ort.engine.disk_cache import DiskCache
@@ -122,6 +123,7 @@ class ORTBackend:
         self._log = BuildLog()
         self._graphs: list[CapturedGraph] = []
         self._blocks = BlockGraphs()
+        self._names = GraphNames()
         self._retired_runs = (0, 0)
 
     @property
@@ -149,7 +151,7 @@ class ORTBackend:
             f"; TorchDynamo recompiles because {reason}" if reason else "",
         )
         tag = str(index) if index else ""
-        graph = CapturedGraph(gm, example_inputs, self._owner, tag, self._options, self._log, self._blocks)
+        graph = CapturedGraph(gm, example_inputs, self._owner, tag, self._options, self._log, self._blocks, self._names)
         compiled = graph.compile()
         self._graphs.append(graph)
         self._log.add(graphs=1)
@@ -175,6 +177,7 @@ class ORTBackend:
         self._retired_runs = self._run_counts()
         self._graphs.clear()
         self._blocks.clear()
+        self._names = GraphNames()
 
     def statistics(self, calls: tuple[int, int] | None = None) -> CacheStatistics:
         """The statistics so far.

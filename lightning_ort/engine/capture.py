@@ -172,6 +172,32 @@ class BuildLog:
 GraphRunner = GraphSession | PartitionedGraph
 
 
+class GraphNames:
+    """Names of a backend's graphs, as in saved files: numbered per mode, in the order they are built.
+
+    A training graph's forward and backward share a number, and inference graphs count apart from them: the
+    first of each is unnumbered (``forward``, ``backward``, ``inference``), the next ``forward_1``...
+
+    Example:
+        >>> names = GraphNames()
+        >>> names.name("0", "forward"), names.name("1", "inference"), names.name("0", "backward")
+        ('forward', 'inference', 'backward')
+        >>> names.name("2", "forward"), names.name("3", "inference")
+        ('forward_1', 'inference_1')
+    """
+
+    def __init__(self) -> None:
+        self._numbers: dict[tuple[str, bool], int] = {}
+
+    def name(self, graph: str, kind: str) -> str:
+        """The name of ``graph``'s (a TorchDynamo graph's tag) ``kind`` graph: forward, backward or inference."""
+        mode = (graph, kind == "inference")
+        if mode not in self._numbers:
+            self._numbers[mode] = sum(inference == mode[1] for _, inference in self._numbers)
+        number = self._numbers[mode]
+        return f"{kind}_{number}" if number else kind
+
+
 class CapturedGraph:
     """One TorchDynamo graph compiled into ONNX Runtime sessions through AOTAutograd.
 
@@ -179,10 +205,11 @@ class CapturedGraph:
         gm: the graph TorchDynamo traced (``torch``-level ops; parameters and buffers are inputs).
         example_inputs: fake tensors (and sizes) like the graph's inputs.
         owner: the model's name, for messages.
-        tag: distinguishes this graph's saved files (``"forward"``, ``"forward_1"``...).
+        tag: identifies this graph among the backend's (``""`` for the first, ``"1"``...), for messages.
         options: how graphs become sessions.
         build_log: where build time and counts are added up.
         blocks: the backend's block graphs, shared by its captured graphs; ``None`` builds them for this graph.
+        names: the backend's graph names, shared by its captured graphs; ``None`` names this graph's alone.
     """
 
     def __init__(
@@ -194,6 +221,7 @@ class CapturedGraph:
         options: BuildOptions,
         build_log: BuildLog,
         blocks: BlockGraphs | None = None,
+        names: GraphNames | None = None,
     ) -> None:
         self._gm = gm
         self._example_inputs = list(example_inputs)
@@ -205,6 +233,7 @@ class CapturedGraph:
         self._backward_failure: ExportError | SessionError | None = None
         self._symbolic = any(is_symbolic(value) for value in example_inputs)
         self._blocks = blocks if blocks is not None else BlockGraphs()
+        self._names = names if names is not None else GraphNames()
         self.runners: list[tuple[str, GraphRunner]] = []
 
     def compile(self) -> Callable[..., Any]:
@@ -281,14 +310,16 @@ class CapturedGraph:
     def specialize(self, args: Sequence[Any], index: int) -> Callable[..., Any]:
         """This graph compiled for the static shapes of ``args`` (real call arguments); ``index`` names it."""
         tag = f"{self._tag}_static{index}" if self._tag else f"static{index}"
-        static = CapturedGraph(self._gm, list(args), self._owner, tag, self._options, self._log, self._blocks)
+        static = CapturedGraph(
+            self._gm, list(args), self._owner, tag, self._options, self._log, self._blocks, self._names
+        )
         static.runners = self.runners
         self._log.add(graphs=1)
         return static.compile()
 
     def _compiler(self, kind: str) -> AOTDispatchCompiler:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner:
-            name = kind if not self._tag else f"{kind}_{self._tag}"
+            name = self._names.name(self._tag, kind)
             start = time.perf_counter()
             with torch.random.fork_rng(devices=_rng_devices(self._device)), self._log.timed("export_seconds"):
                 try:

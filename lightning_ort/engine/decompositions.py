@@ -15,6 +15,9 @@ Core ATen decompositions, plus:
 * on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``;
 * ``avg_pool2d_backward`` (no ONNX translation) as a depthwise transposed convolution where every window has the
   same divisor;
+* ``max_pool2d_with_indices_backward`` (no ONNX translation) as a ``scatter_add`` of the output gradient at the
+  forward's indices (ONNX ``ScatterElements`` with ``reduction="add"``), so ties and overlapping windows accumulate
+  as in ATen;
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
@@ -369,6 +372,39 @@ def avg_pool2d_backward(
     return aten.convolution(grad_output, weight, None, steps, pads, [1, 1], True, adjust, channels)
 
 
+def max_pool2d_with_indices_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """Max pooling's input gradient: each output gradient added at the input position its window selected.
+
+    ``indices`` are the forward's per-channel flat positions (``h * width + w``), so the gradient is a
+    ``scatter_add`` over each channel's flattened plane. Positions chosen by several overlapping windows receive
+    the sum, as in ATen's kernel. Half-precision gradients accumulate in float32.
+
+    Example:
+        >>> x = torch.randn(2, 3, 9, 9)
+        >>> y, idx = aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1], [1, 1], True)
+        >>> g = torch.randn_like(y)
+        >>> ours = max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], True, idx)
+        >>> torch.allclose(ours, aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], True, idx))
+        True
+    """
+    planes = input.shape[:-2]
+    height, width = input.shape[-2:]
+    accumulate = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
+    grad = grad_output.reshape(-1, grad_output.shape[-2] * grad_output.shape[-1]).to(accumulate)
+    positions = indices.reshape(grad.shape)
+    zeros = grad.new_zeros((grad.shape[0], height * width))
+    return zeros.scatter_add(1, positions, grad).to(grad_output.dtype).reshape(*planes, height, width)
+
+
 def addmm(
     input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
 ) -> torch.Tensor:
@@ -575,6 +611,7 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
         aten._safe_softmax.default: safe_softmax,
         aten.addmm.default: addmm,
         aten.avg_pool2d_backward.default: avg_pool2d_backward,
+        aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 import unittest.mock
 from pathlib import Path
 
 import onnx
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine import decompositions
@@ -17,6 +19,7 @@ from lightning_ort.engine.decompositions import (
     batch_norm_functional,
     capture_decompositions,
     convolution_backward,
+    max_pool2d_with_indices_backward,
     threshold_backward,
 )
 from lightning_ort.engine.replacements import dropout, multi_head_attention
@@ -191,6 +194,67 @@ def test_relu_gradient_on_cpu_is_a_product_not_a_where(tmp_path: Path) -> None:
     assert "Where" not in ops and "Mul" in ops, ops
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernel", "stride", "padding", "dilation", "ceil_mode"),
+    [
+        ((2, 3, 9, 9), [3, 3], [2, 2], [1, 1], [1, 1], True),
+        ((2, 3, 8, 8), [2, 2], [2, 2], [0, 0], [1, 1], False),
+        ((1, 2, 11, 7), [3, 2], [1, 2], [1, 0], [2, 1], False),
+        ((3, 10, 10), [3, 3], [2, 2], [0, 0], [1, 1], True),
+    ],
+)
+def test_max_pool_backward_matches_aten_with_ties_and_overlapping_windows(
+    shape: tuple[int, ...],
+    kernel: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    ceil_mode: bool,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).clamp(min=0)  # ReLU's zeros: many windows tie
+    y, indices = aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+    grad = torch.randn(y.shape, generator=g)
+    args = (grad, x, kernel, stride, padding, dilation, ceil_mode, indices)
+    torch.testing.assert_close(max_pool2d_with_indices_backward(*args), aten.max_pool2d_with_indices_backward(*args))
+
+
+def test_max_pool_backward_accumulates_half_precision_in_float32() -> None:
+    x = torch.randn(1, 2, 6, 6, dtype=torch.bfloat16)
+    y, indices = aten.max_pool2d_with_indices(x, [3, 3], [1, 1], [1, 1], [1, 1], False)
+    backward = functools.partial(
+        max_pool2d_with_indices_backward, kernel_size=[3, 3], stride=[1, 1], padding=[1, 1], dilation=[1, 1]
+    )
+    graph = make_fx(lambda g, i: backward(g, x, ceil_mode=False, indices=i))(torch.randn_like(y), indices)
+    (scatter,) = [n for n in graph.graph.nodes if n.target == aten.scatter_add.default]
+    assert scatter.meta["val"].dtype == torch.float32
+    assert graph(torch.randn_like(y), indices).dtype == torch.bfloat16
+
+
+def test_max_pooling_trains_in_onnx_runtime_with_eager_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(3, 2, ceil_mode=True),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.LazyLinear(4),
+    )
+    eager(torch.randn(2, 3, 16, 16))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
+    x = torch.randn(4, 3, 16, 16)
+    for model in (eager, wrapped):
+        model(x).square().sum().backward()
+    assert wrapped.statistics.fallback_ops == 0 and wrapped.statistics.backward_runs == 1
+    backward = [n.op_type for n in onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node]
+    assert backward.count("ScatterElements") == 2, backward
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(

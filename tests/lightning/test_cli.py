@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import onnx
+import onnxruntime
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,11 +37,15 @@ def test_yaml_strategy_config_trains_and_saves_prefixed_onnx(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr[-3000:]
     saved = sorted(p.name for p in (tmp_path / "onnx_models").glob("*.onnx"))
     # The encoder's two layers share one block graph per pass.
-    assert "lit_lm_encoder_training_forward_1_block0.onnx" in saved
-    assert "lit_lm_encoder_training_backward_1_block0_optimized.onnx" in saved
+    assert "lit_lm_encoder_training_forward_block0.onnx" in saved
+    assert "lit_lm_encoder_training_backward_block0_optimized.onnx" in saved
     assert all(name.startswith("lit_lm_encoder_") for name in saved)
-    onnx.checker.check_model(str(tmp_path / "onnx_models" / "lit_lm_encoder_training_backward_1_block0.onnx"))
+    onnx.checker.check_model(str(tmp_path / "onnx_models" / "lit_lm_encoder_training_backward_block0.onnx"))
     assert "[V:onnxruntime" in result.stderr, "log_level VERBOSE reaches ONNX Runtime's session logger"
+    session = onnxruntime.InferenceSession(
+        str(tmp_path / "deploy" / "encoder.onnx"), providers=["CPUExecutionProvider"]
+    )
+    assert [i.name for i in session.get_inputs()] == ["src", "mask"], "export_onnx from the YAML wrote the encoder"
 
 
 def test_bad_log_level_fails_at_parse_time_naming_allowed_values(tmp_path: Path) -> None:
@@ -72,7 +77,7 @@ def test_callback_added_on_the_command_line(tmp_path: Path) -> None:
     assert "ONNX Runtime profile of `encoder` (fit" in result.stdout + result.stderr
     stems = {p.name.split("_profile_")[0] for p in (tmp_path / "profiles").glob("*.json")}
     # The sanity check ran first (inference); the encoder's layers share one block graph per pass.
-    assert stems == {"encoder_inference_block0", "encoder_forward_1_block0", "encoder_backward_1_block0"}
+    assert stems == {"encoder_inference_block0", "encoder_forward_block0", "encoder_backward_block0"}
 
 
 def test_ort_fsdp_by_class_path_with_activation_checkpointing(tmp_path: Path) -> None:
@@ -80,6 +85,7 @@ def test_ort_fsdp_by_class_path_with_activation_checkpointing(tmp_path: Path) ->
         tmp_path,
         "--trainer.strategy=lightning_ort.ORTFSDPStrategy",
         "--trainer.strategy.activation_checkpointing=true",
+        "--trainer.strategy.export_onnx=deploy/lm.onnx",
         "--trainer.accelerator=cpu",
         "--trainer.enable_checkpointing=false",
         *FAST,
@@ -87,3 +93,9 @@ def test_ort_fsdp_by_class_path_with_activation_checkpointing(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "`encoder` sharded over 1 ranks as 2 block(s) of TransformerEncoderLayer" in output
+    assert "exported `encoder` for deployment to deploy/lm.encoder.onnx" in output
+    assert sorted(p.name for p in (tmp_path / "deploy").iterdir()) == [
+        "lm.embed.onnx",
+        "lm.encoder.onnx",
+        "lm.head.onnx",
+    ]

@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import onnxruntime
 import pytest
 import torch
+
+from tests.lightning.models import TinyTransformerLM, token_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "lightning" / "scripts" / "ddp_run.py"
@@ -18,11 +21,14 @@ SCRIPT = ROOT / "tests" / "lightning" / "scripts" / "ddp_run.py"
 pytestmark = pytest.mark.slow
 
 
-def _run(strategy: str, out: Path, cache_dir: Path | None = None, profile: Path | None = None) -> list[dict[str, Any]]:
+def _run(
+    strategy: str, out: Path, cache_dir: Path | None = None, profile: Path | None = None, export: Path | None = None
+) -> list[dict[str, Any]]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     extra = ["--cache-dir", str(cache_dir)] if cache_dir is not None else []
     extra += ["--profile", str(profile)] if profile is not None else []
+    extra += ["--export-onnx", str(export)] if export is not None else []
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
         cwd=out,
@@ -72,7 +78,8 @@ def test_ort_ddp_matches_plain_ddp_and_ranks_agree(tmp_path: Path) -> None:
 
 def test_ranks_share_a_cache_dir_and_a_restart_exports_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "graphs"
-    first = _run("ort_ddp", tmp_path / "first", cache_dir=cache, profile=tmp_path / "profiles")
+    deploy = tmp_path / "deploy"
+    first = _run("ort_ddp", tmp_path / "first", cache_dir=cache, profile=tmp_path / "profiles", export=deploy)
     profiles = sorted(p.name.rsplit("_", 3)[0] for p in (tmp_path / "profiles").glob("*.json"))
     graphs = {
         "embed": ("backward", "forward"),
@@ -90,6 +97,20 @@ def test_ranks_share_a_cache_dir_and_a_restart_exports_nothing(tmp_path: Path) -
             assert stats["onnx_exports"] == 0 and stats["disk_cache_loads"] == 2, (record["rank"], name, stats)
     assert restart[0]["losses"] == first[0]["losses"]
     assert sorted(cache.glob("*.ortgraph")) == files
+
+    # Rank zero wrote each wrapped network's deployment file from the trained weights.
+    assert sorted(p.name for p in deploy.iterdir()) == ["embed.onnx", "head.onnx", "net.onnx"]
+    trained = TinyTransformerLM()
+    trained.load_state_dict(torch.load(tmp_path / "first" / "rank0.pt"))
+    trained.eval()
+    session = onnxruntime.InferenceSession(str(deploy / "net.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["src", "mask"]
+    hidden = trained.embed(token_dataset(5, seed=3).tensors[0][:, :16])
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(16)
+    (out,) = session.run(None, {"src": hidden.detach().numpy(), "mask": mask.numpy()})
+    with torch.no_grad():
+        expected = trained.net(hidden, mask=mask, is_causal=True)
+    torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_ort_ddp_spawn_returns_trained_weights_to_the_main_process(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -46,10 +47,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "root": root,
         "plain": plain,
-        "ort": _run(root / "ort", "--strategy", "ort_fsdp"),
+        "ort": _run(root / "ort", "--strategy", "ort_fsdp", "--export-onnx", "deploy"),
         "checkpointed": _run(root / "checkpointed", "--strategy", "ort_fsdp", "--checkpointing", "--full"),
         "resumed": _run(root / "resumed", "--strategy", "ort_fsdp", "--resume", str(root / "plain" / "final.ckpt")),
-        "empty_init": _run(root / "empty_init", "--strategy", "ort_fsdp", "--empty-init"),
+        "empty_init": _run(root / "empty_init", "--strategy", "ort_fsdp", "--empty-init", "--export-onnx", "deploy"),
     }
 
 
@@ -101,6 +102,22 @@ def test_sharded_and_full_checkpoints_load_strictly_into_the_plain_model(runs: d
     for model in (sharded, full):
         for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("run", ["ort", "empty_init"])
+def test_the_deployment_file_holds_the_gathered_trained_weights(runs: dict[str, Any], run: str) -> None:
+    root: Path = runs["root"]
+    path = root / run / "deploy" / "net.onnx"
+    assert [p.name for p in path.parent.iterdir()] == ["net.onnx"], "rank zero writes one file"
+    dcp_to_torch_save(root / run / "final.ckpt", root / f"{run}_export.pt")
+    trained = _plain_model(torch.load(root / f"{run}_export.pt", weights_only=False)["state_dict"]).net.eval()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["ids"]
+    for batch in (3, 8):
+        ids = token_dataset(batch, seed=4).tensors[0][:, :-1]
+        (logits,) = session.run(None, {"ids": ids.numpy()})
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(logits), trained(ids), rtol=1e-4, atol=1e-5)
 
 
 def test_a_plain_checkpoint_resumes_under_ort_fsdp(runs: dict[str, Any]) -> None:

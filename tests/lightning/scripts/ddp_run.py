@@ -3,7 +3,7 @@
     python tests/lightning/scripts/ddp_run.py --strategy ort_ddp --out DIR [--steps N] [--cache-dir DIR] [--profile DIR]
 
 ``--cache-dir`` trains with ``ORTDDPStrategy(cache_dir=...)`` (both ranks share the folder); ``--profile`` with
-``ORTDDPStrategy(profile=True, save_path=...)``.
+``ORTDDPStrategy(profile=True, save_path=...)``; ``--export-onnx DIR`` with ``ORTDDPStrategy(export_onnx=DIR)``.
 
 Every rank writes ``DIR/rank<R>.json`` (losses, ORT statistics, logged metrics) and ``DIR/rank<R>.pt`` (state
 dict); with a spawn strategy the main process also writes ``DIR/main.pt`` after ``fit`` returns.
@@ -54,11 +54,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--export-onnx", type=Path, default=None)
     args = parser.parse_args()
     strategy: Any = args.strategy
-    if args.cache_dir is not None or args.profile is not None:
+    if args.cache_dir is not None or args.profile is not None or args.export_onnx is not None:
         profiling = {"profile": True, "save_path": args.profile} if args.profile is not None else {}
-        strategy = lightning_ort.ORTDDPStrategy(cache_dir=args.cache_dir, **profiling)
+        strategy = lightning_ort.ORTDDPStrategy(cache_dir=args.cache_dir, export_onnx=args.export_onnx, **profiling)
     pl.seed_everything(0, workers=True)
     model = TinyTransformerLM()
     trainer = pl.Trainer(

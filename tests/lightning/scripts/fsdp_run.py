@@ -6,7 +6,8 @@ Strategies: ``ort_fsdp`` (:class:`~lightning_ort.ORTFSDPStrategy`), ``fsdp`` (pl
 ``ModelParallelStrategy`` with ``fully_shard`` per block in ``configure_model``) and ``ddp``. Every rank writes
 ``DIR/rank<R>.json`` (losses, local parameter bytes, ORT statistics); the run ends with
 ``trainer.save_checkpoint(DIR/final.ckpt)``: a folder of shards, or one file with ``--full``. ``--resume F``
-starts from checkpoint ``F`` (trained one step further from it). ``--empty-init`` builds the model under
+starts from checkpoint ``F`` (trained one step further from it). ``--export-onnx D`` writes the network's
+deployment file to folder ``D`` at the end of fit. ``--empty-init`` builds the model under
 ``trainer.init_module(empty_init=True)`` (parameters on the meta device until the strategy materializes them).
 """
 
@@ -139,12 +140,15 @@ def main() -> None:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--empty-init", action="store_true")
+    parser.add_argument("--export-onnx", type=Path, default=None)
     args = parser.parse_args()
     strategy: Any = args.strategy
     model_class = BlockLM
     if args.strategy == "ort_fsdp":
         strategy = lightning_ort.ORTFSDPStrategy(
-            activation_checkpointing=args.checkpointing, save_distributed_checkpoint=not args.full
+            activation_checkpointing=args.checkpointing,
+            save_distributed_checkpoint=not args.full,
+            export_onnx=args.export_onnx,
         )
     elif args.strategy == "fsdp":
         strategy = ModelParallelStrategy(
