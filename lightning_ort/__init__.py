@@ -24,10 +24,9 @@ try:
 except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
 
-from lightning_ort.config import OptimizationLevel, ORTConfig
 from lightning_ort.deployment import DeployedModel, export_for_deployment
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
-from lightning_ort.engine.capture import BuildCounts
+from lightning_ort.engine.build import BuildCounts
 from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
 from lightning_ort.errors import (
     BlockError,
@@ -39,8 +38,9 @@ from lightning_ort.errors import (
     ORTModuleError,
     SessionError,
 )
+from lightning_ort.lightning_options import ORTConfig
 from lightning_ort.module import ORTModule
-from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
+from lightning_ort.options import DebugOptions, Fallback, LogLevel, OptimizationLevel, SessionSettings
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from lightning_ort.config import ORTConfig, ort_arguments
 from lightning_ort.deployment import FirstCall, export_for_deployment
 from lightning_ort.errors import ORTModuleError
+from lightning_ort.lightning_options import ORTConfig, ort_arguments
 from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
 from lightning_ort.module import ORTModule, original_module
 from lightning_ort.wrapping import wrap_submodules, wrapped_submodules

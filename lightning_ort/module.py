@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -26,10 +27,10 @@ from lightning_ort.engine.blocks import (
     uncaptured_block,
     unmark_class,
 )
-from lightning_ort.engine.capture import BuildOptions
+from lightning_ort.engine.build import BuildOptions
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
-from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError
+from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, configure_logger, parse_fallback
 
@@ -41,6 +42,7 @@ _OWN_STATE = frozenset(
         "_original_module",
         "_build_options",
         "_dynamic",
+        "_dynamic_axes",
         "_blocks",
         "_calls",
         "_building_calls",
@@ -94,6 +96,11 @@ class ORTModule(nn.Module):
             without any is captured as one graph, logged at INFO level. Or the block classes, or their names
             (``["GPT2Block"]``). The rest of the model runs in ONNX Runtime around the blocks. Not with
             ``dynamic=True`` (logged at INFO level); automatic dynamic shapes keep them.
+        dynamic_axes: the axes of ``forward``'s tensor arguments that vary between calls, by parameter name
+            (``{"input_ids": [0, 1], "attention_mask": [0, 1]}`` for batch and sequence). They are symbolic
+            from the first call (where the model allows), so the first graph already serves every size: with
+            padded batches of changing length, the first build is the only one, instead of a static graph first
+            and a dynamic one when a second length comes. Block graphs stay. Not with ``dynamic=False``.
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -112,6 +119,7 @@ class ORTModule(nn.Module):
         cache_dir: str | os.PathLike[str] | None = None,
         dynamic: bool | None = None,
         blocks: Sequence[BlockSpec] | str | None = None,
+        dynamic_axes: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
@@ -125,6 +133,7 @@ class ORTModule(nn.Module):
         fallback = parse_fallback(fallback)
         if not isinstance(dynamic, (bool, type(None))):
             raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
+        axes = _dynamic_axes(module, dynamic_axes, dynamic)
         block_classes = resolve_blocks(module, blocks)
         if dynamic is True and block_classes:
             # Every dimension and float symbolic from the start: TorchDynamo passes float attributes (a
@@ -144,6 +153,7 @@ class ORTModule(nn.Module):
             DiskCache(cache_dir) if cache_dir is not None else None,
         )
         self._dynamic = dynamic
+        self._dynamic_axes = axes
         self._blocks = tuple(block_classes)
         mark_blocks(module, block_classes)
         self._calls = 0
@@ -174,6 +184,11 @@ class ORTModule(nn.Module):
     def dynamic(self) -> bool | None:
         """Symbolic input sizes: ``None`` automatic, ``True`` all dimensions, ``False`` one graph per shape."""
         return self._dynamic
+
+    @property
+    def dynamic_axes(self) -> dict[str, tuple[int, ...]]:
+        """The axes of ``forward``'s arguments that are symbolic from the first call, by parameter name."""
+        return dict(self._dynamic_axes)
 
     @property
     def block_classes(self) -> tuple[type[nn.Module], ...]:
@@ -296,6 +311,8 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
         graphs = self._backend.build_log.counts.graphs
+        if self._dynamic_axes:
+            self._mark_dynamic_axes(args, kwargs)
         try:
             with (
                 trace_recurrent_layers(),
@@ -315,6 +332,17 @@ class ORTModule(nn.Module):
         if self._backend.build_log.counts.graphs != graphs:
             self._building_calls += 1
         return output
+
+    def _mark_dynamic_axes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Mark the ``dynamic_axes`` of this call's tensor arguments symbolic for TorchDynamo (where it can)."""
+        try:
+            bound = inspect.signature(self._original_module.forward).bind_partial(*args, **kwargs).arguments
+        except TypeError:  # the call itself fails, as it would without the marks
+            return
+        for name, axes in self._dynamic_axes.items():
+            value = bound.get(name)
+            if isinstance(value, torch.Tensor):
+                maybe_mark_dynamic(value, [axis % value.dim() for axis in axes if -value.dim() <= axis < value.dim()])
 
     def _drop_uncaptured_block(self, error: UncapturedHigherOrderOpError) -> None:
         """Capture the block class TorchDynamo could not capture whole with the model's graph from now on.
@@ -488,6 +516,44 @@ class ORTModule(nn.Module):
     @override
     def __repr__(self) -> str:
         return f"ORTModule({self._original_module!r})"
+
+
+def _dynamic_axes(
+    module: nn.Module, dynamic_axes: Mapping[str, Sequence[int]] | None, dynamic: bool | None
+) -> dict[str, tuple[int, ...]]:
+    """``dynamic_axes`` checked against ``module.forward``'s parameters, as tuples.
+
+    Raises:
+        ValueError: a name is not a parameter of ``forward``, an axis is not an integer, or ``dynamic=False``.
+    """
+    if not dynamic_axes:
+        return {}
+    owner = type(module).__name__
+    if not isinstance(dynamic_axes, Mapping):
+        raise TypeError(
+            f"ORTModule(dynamic_axes={dynamic_axes!r}): pass a mapping from {owner}.forward's parameter names to "
+            'axes, such as {"input_ids": [0, 1]}.'
+        )
+    if dynamic is False:
+        raise ValueError(
+            "ORTModule(dynamic=False, dynamic_axes=...): dynamic=False builds one graph per shape and dynamic_axes "
+            "makes axes symbolic: drop one of them."
+        )
+    parameters = inspect.signature(module.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = sorted(name for name in dynamic_axes if name not in parameters and not takes_any)
+    if unknown:
+        raise ValueError(
+            f"ORTModule(dynamic_axes=...): {unknown} are not parameters of {owner}.forward; its parameters are "
+            f"{list(parameters)}."
+        )
+    axes: dict[str, tuple[int, ...]] = {}
+    for name, dims in dynamic_axes.items():
+        listed = [dims] if isinstance(dims, int) else list(dims)
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in listed):
+            raise ValueError(f"ORTModule(dynamic_axes={{{name!r}: {dims!r}}}): axes must be integers, such as [0, 1].")
+        axes[name] = tuple(listed)
+    return axes
 
 
 def original_module(wrapped: ORTModule) -> nn.Module:

@@ -1,4 +1,9 @@
-"""User-facing options: :class:`DebugOptions`, :class:`LogLevel` and ONNX Runtime session settings."""
+"""ORTModule's options: :class:`DebugOptions`, :class:`LogLevel`, :class:`SessionSettings` and the fallback policy,
+with the checks of their values and the logger and output-folder helpers they use.
+
+The Lightning strategies and callback take the same options, plus their own, through
+:class:`~lightning_ort.ORTConfig` (:mod:`lightning_ort.lightning_options`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ import onnxruntime as ort
 import torch
 
 _PACKAGE_LOGGER = "lightning_ort"
+
+OptimizationLevel = Literal["disable", "basic", "extended", "all"]
+"""ONNX Runtime's graph optimization levels, by name."""
 
 Fallback = Literal["auto", "raise"]
 """What ORTModule does with ops ONNX cannot express: run them in PyTorch (``"auto"``) or fail (``"raise"``)."""
@@ -215,7 +223,7 @@ class SessionSettings:
     """
 
     providers: tuple[str, ...] | None = None
-    optimization_level: str = "all"
+    optimization_level: OptimizationLevel = "all"
     intra_op_num_threads: int = 0
     allow_spinning: bool = True
     release_torch_threads: bool = True

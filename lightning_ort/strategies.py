@@ -41,9 +41,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ort import callback  # a module, not its class: importing Lightning may start here from callback
-from lightning_ort.config import ORTConfig, ort_arguments
 from lightning_ort.engine.blocks import mark_blocks, unmark_blocks
 from lightning_ort.errors import FallbackWarning
+from lightning_ort.lightning_options import ORTConfig, ort_arguments
 from lightning_ort.module import ORTModule, original_module
 from lightning_ort.wrapping import wrapped_submodules
 

@@ -6,14 +6,15 @@ Shared by :class:`~lightning_ort.ORTDDPStrategy`, :class:`~lightning_ort.ORTSing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 from torch.nn.modules.loss import _Loss
 from torchmetrics import Metric
 
-from lightning_ort.config import ORTConfig
 from lightning_ort.engine.blocks import resolve_blocks
+from lightning_ort.lightning_options import ORTConfig
 from lightning_ort.module import ORTModule
 
 
@@ -49,7 +50,8 @@ def wrap_submodules(root: nn.Module, config: ORTConfig, missing_ok: bool = False
             targets.append((parent, attribute, module))
             target_paths.append(path)
     blocks = _blocks_per_target([module for _, _, module in targets], config.blocks)
-    for (parent, attribute, module), path, block_classes in zip(targets, target_paths, blocks):
+    axes = _dynamic_axes_per_target([module for _, _, module in targets], target_paths, config.dynamic_axes)
+    for (parent, attribute, module), path, block_classes, dynamic_axes in zip(targets, target_paths, blocks, axes):
         wrapped = ORTModule(
             module,
             config.debug_options_for(path),
@@ -58,6 +60,7 @@ def wrap_submodules(root: nn.Module, config: ORTConfig, missing_ok: bool = False
             config.cache_dir,
             config.dynamic,
             block_classes,
+            dynamic_axes,
         )
         setattr(parent, attribute, wrapped)
     return wrapped_submodules(root)
@@ -71,6 +74,28 @@ def _blocks_per_target(modules: Sequence[nn.Module], blocks: Sequence[str] | str
         if modules and not any(resolve_blocks(module, [name], missing_ok=True) for module in modules):
             resolve_blocks(modules[0], [name])
     return [resolve_blocks(module, blocks, missing_ok=True) for module in modules]
+
+
+def _dynamic_axes_per_target(
+    modules: Sequence[nn.Module], paths: Sequence[str], dynamic_axes: Mapping[str, Sequence[int]] | None
+) -> list[dict[str, Sequence[int]] | None]:
+    """Each module's share of ``dynamic_axes``: the names its ``forward`` takes.
+
+    Raises:
+        ValueError: a name that no module's ``forward`` takes.
+    """
+    if not dynamic_axes or not modules:
+        return [None] * len(modules)
+    parameters = [inspect.signature(module.forward).parameters for module in modules]
+    taken = [{name: axes for name, axes in dynamic_axes.items() if name in names} for names in parameters]
+    unused = sorted(set(dynamic_axes) - {name for share in taken for name in share})
+    if unused:
+        forwards = "; ".join(f"`{path}`: {list(names)}" for path, names in zip(paths, parameters))
+        raise ValueError(
+            f"dynamic_axes names {unused}, which no wrapped network's forward takes ({forwards}). Use the names "
+            "of the forward parameters that receive the batch's tensors."
+        )
+    return [share or None for share in taken]
 
 
 def wrapped_submodules(root: nn.Module) -> dict[str, ORTModule]:

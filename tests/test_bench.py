@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ort import bench, bench_workloads
+from lightning_ort.bench import runner as bench
+from lightning_ort.bench import workloads as bench_workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -95,12 +95,12 @@ def _broken_run(*args: object) -> None:
 def test_a_failure_inside_our_own_export_code_runs_the_graph_in_pytorch_and_names_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import lightning_ort.engine.capture as capture
+    import lightning_ort.engine.build as build
 
     def broken_export(*args: object, **kwargs: object) -> None:
         raise KeyError("val")
 
-    monkeypatch.setattr(capture, "export_graph", broken_export)
+    monkeypatch.setattr(build, "export_graph", broken_export)
     torch.manual_seed(0)
     eager = MLP()
     wrapped = ORTModule(copy.deepcopy(eager))

@@ -108,7 +108,7 @@ def test_first_use_initialisers_run_once_under_threads() -> None:
 
 
 def test_held_back_warnings_belong_to_their_thread() -> None:
-    from lightning_ort.engine.capture import PENDING_WARNINGS
+    from lightning_ort.engine.build import PENDING_WARNINGS
 
     seen: list[bool] = []
     PENDING_WARNINGS.collecting = True

@@ -23,15 +23,8 @@ import torch.fx
 from typing_extensions import override
 
 from lightning_ort.engine.blocks import BlockGraphs
-from lightning_ort.engine.capture import (
-    PENDING_WARNINGS,
-    BuildCounts,
-    BuildLog,
-    BuildOptions,
-    CapturedGraph,
-    GraphNames,
-    GraphRunner,
-)
+from lightning_ort.engine.build import PENDING_WARNINGS, BuildCounts, BuildLog, BuildOptions, GraphRunner
+from lightning_ort.engine.capture import CapturedGraph, GraphNames
 from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.torch_internals import (
     TRACES_RECURRENT_LAYERS,
@@ -260,7 +253,7 @@ ort = EntryPoint()
 
 
 def backend_options(options: Mapping[str, Any]) -> BuildOptions:
-    """:class:`~lightning_ort.engine.capture.BuildOptions` from ``torch.compile``'s ``options`` mapping.
+    """:class:`~lightning_ort.engine.build.BuildOptions` from ``torch.compile``'s ``options`` mapping.
 
     Example:
         >>> backend_options({"save_onnx": False, "intra_op_num_threads": 2}).settings.intra_op_num_threads

@@ -184,6 +184,7 @@ def _encode(graph: ExportedGraph) -> bytes:
             "layout": [_source_to_json(source) for source in graph.layout.sources],
             "symbols": [[symbol.name, index, dim] for symbol, (index, dim) in graph.symbols.items()],
             "dropped_inputs": list(graph.dropped_inputs),
+            "carried_sizes": list(graph.carried_sizes),
         }
     ).encode()
     payload = struct.pack("<I", len(header)) + header + graph.model.SerializeToString()
@@ -206,7 +207,9 @@ def _decode(data: bytes, name: str) -> ExportedGraph:
     outputs = [OutputSpec(_sizes_from_json(shape), _dtype(dtype)) for shape, dtype in header["outputs"]]
     layout = OutputLayout(tuple(_source_from_json(source) for source in header["layout"]))
     symbols = {_size_from_json({"Symbol": symbol}): (index, dim) for symbol, index, dim in header["symbols"]}
-    return ExportedGraph(name, model, noise, outputs, layout, symbols, tuple(header["dropped_inputs"]))
+    return ExportedGraph(
+        name, model, noise, outputs, layout, symbols, tuple(header["dropped_inputs"]), tuple(header["carried_sizes"])
+    )
 
 
 def _source_to_json(source: Source) -> Any:

@@ -74,6 +74,9 @@ class ExportedGraph:
     layout: OutputLayout
     symbols: Symbols = field(default_factory=dict)
     dropped_inputs: tuple[int, ...] = ()
+    carried_sizes: tuple[int, ...] = ()
+    """Positions of integer inputs whose values the runner passes as the shape of an empty tensor (see
+    :func:`_inline_size_inputs`), after the other tensor inputs."""
 
 
 def export_graph(
@@ -96,10 +99,12 @@ def export_graph(
     gm = copy_graph_module(gm)
     symbolic = any(is_symbolic(value) for value in example_inputs)
     sizes = any(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) for value in example_inputs)
-    dropped = _inline_size_inputs(gm, example_inputs) if sizes else ()
-    tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
-    device = next((value.device for value in tensor_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
+    device = next((value.device for value in example_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
     fake_mode = detect_fake_mode(example_inputs)
+    dropped, carried, carrier = _inline_size_inputs(gm, example_inputs, device) if sizes else ((), (), None)
+    tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
+    if carrier is not None:
+        tensor_inputs.append(carrier)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         noise, noise_examples = lift_random_ops(gm, device)
     layout, outputs = normalise_outputs(gm, saved_from)
@@ -147,7 +152,7 @@ def export_graph(
         len(inputs),
         len(outputs),
     )
-    return ExportedGraph(name, model, noise, outputs, layout, _size_symbols(tensor_inputs), dropped)
+    return ExportedGraph(name, model, noise, outputs, layout, _size_symbols(tensor_inputs), dropped, carried)
 
 
 def _size_symbols(values: Sequence[Any]) -> Symbols:
@@ -232,16 +237,24 @@ def _concrete(value: torch.Tensor) -> torch.Tensor:
     return torch.zeros(shape, dtype=value.dtype, device=value.device)
 
 
-def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, ...]:
+def _inline_size_inputs(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: torch.device
+) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor | None]:
     """Replace integer (size) inputs of a dynamic-shape graph by computations on its tensor inputs' sizes.
 
     AOTAutograd passes sizes the backward needs (``s0``, ``4*s0``) as integer inputs; ONNX inputs are tensors,
-    and these sizes are functions of the tensor inputs' shapes anyway. Returns the dropped input positions.
+    and these sizes are mostly functions of the tensor inputs' shapes anyway. A size that no tensor input has
+    (a backward whose inputs are all flattened to ``s0*s1`` but which must give back ``(s0, s1, n)``) is read
+    from the shape of one extra, empty input: ``(s0, s1, 0)``, built by the runner from those integers.
+
+    Returns:
+        The dropped input positions, the positions of the integers the empty input carries, and its example
+        (``None`` when no size needs it).
     """
     graph = gm.graph
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     if not placeholders:
-        return ()
+        return (), (), None
     sources = {symbol: (placeholders[index], dim) for symbol, (index, dim) in _size_symbols(example_inputs).items()}
     # A split graph's partitions interleave placeholders with ops: gather them first (their order is kept).
     first_op = next(node for node in graph.nodes if node.op != "placeholder")
@@ -250,6 +263,24 @@ def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
         ops_seen = ops_seen or node is first_op
         if ops_seen and node.op == "placeholder":
             first_op.prepend(node)
+    carried = [
+        index
+        for index, (node, value) in enumerate(zip(placeholders, example_inputs))
+        if isinstance(value, torch.SymInt)
+        and node.users
+        and isinstance(value.node.expr, sympy.Symbol)
+        and value.node.expr not in sources
+    ]
+    carrier = None
+    if carried:
+        mode = detect_fake_mode(example_inputs)
+        with mode if mode is not None else contextlib.nullcontext():
+            carrier = torch.empty((*(example_inputs[i] for i in carried), 0), dtype=torch.uint8, device=device)
+        with graph.inserting_after(placeholders[-1]):
+            holder = graph.placeholder("carried_sizes")
+        holder.meta["val"] = carrier
+        for dim, index in enumerate(carried):
+            sources[example_inputs[index].node.expr] = (holder, dim)
     built: dict[sympy.Expr, torch.fx.Node | int] = {}
     dropped = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
@@ -267,7 +298,7 @@ def _inline_size_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any])
         _replace_uses(node, replacement)
         graph.erase_node(node)
         dropped.append(index)
-    return tuple(dropped)
+    return tuple(dropped), tuple(carried), carrier
 
 
 def _replace_uses(node: torch.fx.Node, replacement: torch.fx.Node | int) -> None:

@@ -203,6 +203,9 @@ class GraphSession:
             inputs = [_contiguous(t) for i, t in enumerate(args) if i not in graph.dropped_inputs]
         else:
             inputs = [_contiguous(t) for t in args]
+        if graph.carried_sizes:
+            carried = (*(int(args[i]) for i in graph.carried_sizes), 0)
+            inputs.append(torch.empty(carried, dtype=torch.uint8, device=self._device))
         args.clear()
         env = {symbol: inputs[index].shape[dim] for symbol, (index, dim) in graph.symbols.items()}
         inputs.extend(noise.draw(self._device, env) for noise in graph.noise)

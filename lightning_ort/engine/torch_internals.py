@@ -48,6 +48,7 @@ BackendCompilerFailed, Unsupported, UserError, UncapturedHigherOrderOpError = re
     "torch._dynamo.exc", "BackendCompilerFailed", "Unsupported", "UserError", "UncapturedHigherOrderOpError"
 )
 (aot_autograd,) = require("torch._dynamo.backends.common", "aot_autograd")
+(maybe_mark_dynamic,) = require("torch._dynamo", "maybe_mark_dynamic")
 
 # AOTAutograd and fake tensors.
 functorch_config: Any = importlib.import_module("torch._functorch.config")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_ort.engine.capture as capture_module
+import lightning_ort.engine.build as build_module
 from lightning_ort import DebugOptions, ExportError, FallbackWarning, ORTModule
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE
 from tests.zoo import MLP, CausalLM
@@ -133,7 +133,7 @@ def test_dynamic_must_be_a_bool_or_none(value: object) -> None:
 def test_symbolic_graph_that_cannot_be_exported_gets_one_graph_per_shape(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_export = capture_module.export_graph
+    real_export = build_module.export_graph
 
     def no_symbolic_export(
         gm: torch.fx.GraphModule, example_inputs: Any, name: str, verbose: bool, saved_from: int | None = None
@@ -144,7 +144,7 @@ def test_symbolic_graph_that_cannot_be_exported_gets_one_graph_per_shape(
             raise ExportError("simulated: this graph cannot be exported with symbolic sizes")
         return real_export(gm, example_inputs, name, verbose, saved_from)
 
-    monkeypatch.setattr(capture_module, "export_graph", no_symbolic_export)
+    monkeypatch.setattr(build_module, "export_graph", no_symbolic_export)
     torch.manual_seed(0)
     eager = MLP()
     wrapped = ORTModule(copy.deepcopy(eager))
@@ -166,3 +166,62 @@ def test_symbolic_attention_gradient_keeps_the_stacked_rewrite(tmp_path: Path) -
     ops = {node.op_type for node in backward.graph.node}
     assert "ScatterElements" not in ops, "q, k, v gradients must be stacked, not scattered into zeros"
     assert any(d.dim_param for i in backward.graph.input for d in i.type.tensor_type.shape.dim)
+
+
+def test_declared_axes_make_the_first_graph_serve_every_length() -> None:
+    torch.manual_seed(0)
+    eager = CausalLM()
+    wrapped = ORTModule(copy.deepcopy(eager), dynamic_axes={"ids": [0, 1]})
+    assert wrapped.dynamic_axes == {"ids": (0, 1)}
+    g = torch.Generator().manual_seed(0)
+    for batch, length in ((2, 16), (3, 9), (2, 12), (4, 5)):
+        _step_and_compare(wrapped, eager, torch.randint(0, 64, (batch, length), generator=g))
+    stats = wrapped.statistics
+    assert stats.cache_misses == 1 and stats.cache_hits == 3, "one symbolic graph from the first call"
+
+
+class Unflatten(nn.Module):
+    """Flattens batch and sequence before a graph break and restores them after it: the second graph's backward
+    gets only ``(b*s, 8)`` tensors, and must give back a ``(b, s, 8)`` gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[:2]
+        flat = self.linear(x).reshape(-1, 8)
+        torch._dynamo.graph_break()
+        return self.out(flat.tanh()).view(b, s, 8)
+
+
+def test_sizes_no_tensor_input_has_are_carried_by_an_empty_input(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = Unflatten()
+    options = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), options, dynamic_axes={"x": [0, 1]})
+    exports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the graph break
+        for batch, length in ((2, 5), (3, 4), (4, 7), (5, 3)):
+            _step_and_compare(wrapped, eager, torch.randn(batch, length, 6))
+            exports.append(wrapped.statistics.onnx_exports)
+    # The graph after the break takes b and s as Python ints: static at first, symbolic once they change.
+    assert exports[2:] == [exports[1]] * 2, f"no build after the second call: {exports}"
+    assert wrapped.statistics.fallback_ops == 0 and wrapped.statistics.eager_signatures == 0
+    carriers = [
+        path.name
+        for path in tmp_path.glob("m_training_backward*.onnx")
+        if "optimized" not in path.name and "carried_sizes" in {i.name for i in onnx.load(str(path)).graph.input}
+    ]
+    assert carriers, "the symbolic backward after the break reads b and s from the empty carrier input"
+
+
+def test_dynamic_axes_are_checked_against_forward() -> None:
+    with pytest.raises(ValueError, match=r"\['tokens'\] are not parameters of CausalLM.forward; its parameters are"):
+        ORTModule(CausalLM(), dynamic_axes={"tokens": [0]})
+    with pytest.raises(ValueError, match="axes must be integers"):
+        ORTModule(CausalLM(), dynamic_axes={"ids": ["batch"]})
+    with pytest.raises(ValueError, match="dynamic=False builds one graph per shape"):
+        ORTModule(CausalLM(), dynamic=False, dynamic_axes={"ids": [0]})

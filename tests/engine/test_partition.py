@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-import lightning_ort.engine.capture as capture_module
+import lightning_ort.engine.build as build_module
 from lightning_ort import CaptureError, ExportError, FallbackWarning, ORTModule
 from lightning_ort.errors import SessionError
 from tests.custom_ops import CustomOpMLP, DataDependentBranch
@@ -105,7 +105,7 @@ def _unloadable(*args: object, **kwargs: object) -> None:
 
 
 def test_graph_onnx_runtime_cannot_load_runs_that_signature_in_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture_module, "GraphSession", _unloadable)
+    monkeypatch.setattr(build_module, "GraphSession", _unloadable)
     torch.manual_seed(0)
     eager = MLP()
     wrapped = ORTModule(copy.deepcopy(eager))
@@ -121,7 +121,7 @@ def test_graph_onnx_runtime_cannot_load_runs_that_signature_in_pytorch(monkeypat
 
 
 def test_graph_onnx_runtime_cannot_load_with_fallback_raise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(capture_module, "GraphSession", _unloadable)
+    monkeypatch.setattr(build_module, "GraphSession", _unloadable)
     model = MLP()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(SessionError, match="naming no node"):

@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 from lightning_ort import ORTCallback, ORTDDPStrategy, ORTFSDPStrategy, ORTModule, ORTSingleDeviceStrategy
-from lightning_ort.config import ORTConfig
+from lightning_ort.lightning_options import ORTConfig
 from lightning_ort.wrapping import default_module_names, wrap_submodules
 from tests.lightning.models import TinyTransformerLM
 
@@ -48,6 +48,25 @@ def test_unknown_name_lists_children_and_wraps_nothing() -> None:
         wrap_submodules(model, ORTConfig(modules=["net.blocks"]))
 
 
+def test_each_network_takes_the_dynamic_axes_its_forward_has() -> None:
+    model = TinyTransformerLM()
+    wrapped = wrap_submodules(model, ORTConfig(dynamic_axes={"src": [0, 1], "input": [0]}))
+    assert {name: m.dynamic_axes for name, m in wrapped.items()} == {
+        "embed": {"input": (0,)},  # nn.Embedding.forward(input)
+        "net": {"src": (0, 1)},  # nn.TransformerEncoder.forward(src, mask, ...)
+        "head": {"input": (0,)},
+    }
+
+
+def test_dynamic_axes_no_network_takes_are_refused_before_wrapping() -> None:
+    model = TinyTransformerLM()
+    with pytest.raises(ValueError, match=r"dynamic_axes names \['ids'\], which no wrapped network's forward takes"):
+        wrap_submodules(model, ORTConfig(dynamic_axes={"ids": [0, 1]}))
+    assert not any(isinstance(m, ORTModule) for m in model.modules())
+    with pytest.raises(ValueError, match="dynamic=False builds one graph per shape"):
+        ORTConfig(dynamic=False, dynamic_axes={"src": [0]})
+
+
 def test_name_inside_a_wrapped_module_is_refused() -> None:
     model = TinyTransformerLM()
     wrap_submodules(model, ORTConfig(modules=["net"]))
@@ -84,8 +103,10 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "release_torch_threads": False,
         "fallback": "raise",
         "cache_dir": str(tmp_path / "cache"),
-        "dynamic": False,
+        "dynamic": True,
         "blocks": ["TransformerEncoderLayer"],
+        "dynamic_axes": {"src": [0, 1]},
+        "export_onnx": str(tmp_path / "deploy"),
     }
     declared = inspect.signature(owner).parameters
     assert set(arguments) | {"log_metrics", "prog_bar"} == set(ORTConfig.argument_names())
@@ -98,6 +119,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
     assert not config.session_settings.release_torch_threads
     assert config.debug_options.profile
     assert config.blocks == ("TransformerEncoderLayer",)
+    assert config.export_paths(["net"]) == {"net": tmp_path / "deploy" / "net.onnx"}
 
 
 @pytest.mark.parametrize("owner", [ORTCallback, ORTDDPStrategy, ORTSingleDeviceStrategy, ORTFSDPStrategy])

@@ -11,8 +11,9 @@ ORTModule of the first workload. ``--profile DIR`` also trains each workload's O
 profiler on, keeps the profiles (Chrome-trace JSON) in ``DIR`` and prints where a step's time goes: kernel time
 per op type, ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
-The workloads and the ``--module`` factory contract are in :mod:`lightning_ort.bench_workloads`; the
-``--depth`` and ``--fsdp`` studies in :mod:`lightning_ort.bench_depth` and :mod:`lightning_ort.bench_fsdp`.
+The workloads and the ``--module`` factory contract are in :mod:`lightning_ort.bench.workloads`; the
+``--depth``, ``--shapes`` and ``--fsdp`` studies in :mod:`lightning_ort.bench.depth`,
+:mod:`lightning_ort.bench.shapes` and :mod:`lightning_ort.bench.fsdp`.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ort.bench_depth import DepthResult, format_depth_report, format_phase_report, probe, run_depth_study
-from lightning_ort.bench_fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
-from lightning_ort.bench_workloads import WORKLOADS, Workload, load_factory, synchronize
+from lightning_ort.bench.depth import DepthResult, format_depth_report, format_phase_report, probe, run_depth_study
+from lightning_ort.bench.fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
+from lightning_ort.bench.shapes import ShapeRun, format_shapes_report, run_shapes_study
+from lightning_ort.bench.shapes import probe as shapes_probe
+from lightning_ort.bench.workloads import WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.profiling import KernelProfile
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions
@@ -118,6 +121,8 @@ class BenchReport:
     depth: list[DepthResult] = field(default_factory=list)
     depth_width: int = 0
     fsdp: FsdpResult | None = None
+    shapes: list[ShapeRun] = field(default_factory=list)
+    shapes_layers: int = 0
 
 
 def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.device) -> dict[str, float]:
@@ -369,6 +374,8 @@ def format_report(report: BenchReport) -> str:
         )
     if report.fsdp is not None:
         return "\n".join([*lines, format_fsdp_report(report.fsdp)])
+    if report.shapes:
+        return "\n".join([*lines, format_shapes_report(report.shapes, report.shapes_layers, report.depth_width)])
     width = max([12, *(len(result.workload) + 2 for result in report.workloads)])
     lines.append(
         f"{'workload':<{width}}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
@@ -473,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         "these layer counts: ORTModule with block graphs, with one graph, and inductor, each in a fresh process",
     )
     parser.add_argument(
-        "--depth-width", type=int, default=768, help="the --depth and --fsdp model's width (default 768)"
+        "--depth-width", type=int, default=768, help="the --depth, --fsdp and --shapes models' width (default 768)"
     )
     parser.add_argument(
         "--fsdp",
@@ -483,12 +490,37 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         "ort_fsdp in alternation: per-rank parameter and optimizer memory, and step time",
     )
     parser.add_argument("--fsdp-layers", type=int, default=4, help="the --fsdp model's layer count (default 4)")
+    parser.add_argument(
+        "--shapes",
+        type=int,
+        nargs="+",
+        metavar="LENGTH",
+        help="instead of the workloads, train Hugging Face GPT-2 and BERT on padded batches of these lengths, with "
+        "automatic dynamic shapes and with dynamic_axes declared, each in a fresh process (CPU)",
+    )
+    parser.add_argument("--shapes-layers", type=int, default=4, help="the --shapes models' layer count (default 4)")
+    parser.add_argument("--shapes-probe", help=argparse.SUPPRESS)
     parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
     parser.add_argument("--depth-probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
+    if args.shapes_probe:
+        name, mode = args.shapes_probe.split(":")
+        measured = shapes_probe(name, mode, args.shapes, args.shapes_layers, args.depth_width, args.steps)
+        print(json.dumps(measured))
+        sys.exit(0)
+    if args.shapes:
+        runs = run_shapes_study(args.shapes, args.shapes_layers, args.depth_width, args.steps)
+        return _report(
+            args,
+            device,
+            matmul_gflops(device),
+            shapes=runs,
+            shapes_layers=args.shapes_layers,
+            depth_width=args.depth_width,
+        )
     if args.depth_probe:
         print(json.dumps(probe(args.depth_probe, args.depth[0], args.depth_width, args.steps, device)))
         sys.exit(0)
@@ -541,7 +573,3 @@ def _report(args: argparse.Namespace, device: torch.device, gflops: float, **res
     if args.json:
         args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
     return report
-
-
-if __name__ == "__main__":
-    main()

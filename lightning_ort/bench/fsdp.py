@@ -68,7 +68,7 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_ort.bench_depth import gpt2_model, training_step
+    from lightning_ort.bench.depth import gpt2_model, training_step
     from lightning_ort.module import ORTModule
     from lightning_ort.strategies import shard_network
 

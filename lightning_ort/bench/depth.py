@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ort.bench_workloads import synchronize
+from lightning_ort.bench.workloads import synchronize
 from lightning_ort.engine.torch_internals import calculate_time_spent
 from lightning_ort.module import ORTModule
 

@@ -1,4 +1,7 @@
-"""The ONNX Runtime arguments of the Lightning strategies and of ``ORTCallback``, defined once.
+"""The Lightning side of the options: the arguments of the strategies and of ``ORTCallback``, defined once.
+
+They bundle :mod:`lightning_ort.options` (what an ORTModule takes) with what Lightning adds: which submodules to
+wrap, metrics, deployment files.
 
 :class:`ORTConfig` declares and documents every argument; :func:`ort_arguments` puts them into the signature of
 each strategy's and the callback's ``__init__`` as keyword-only parameters, so that they read the same from
@@ -15,22 +18,20 @@ import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from lightning_ort.options import (
     PROVIDERS_ACCEPTED,
     DebugOptions,
     Fallback,
     LogLevel,
+    OptimizationLevel,
     SessionSettings,
     argument_type_error,
     parse_fallback,
     parse_log_level,
     require_type,
 )
-
-OptimizationLevel = Literal["disable", "basic", "extended", "all"]
-"""ONNX Runtime's graph optimization levels, by name."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class ORTConfig:
             (transformer layers in an ``nn.ModuleList``) once and runs every instance through it, so the first
             step stops growing with depth; class names (``["GPT2Block"]``) choose them; ``None`` captures each
             network as one graph. See :class:`~lightning_ort.ORTModule`.
+        dynamic_axes: the axes of the wrapped networks' ``forward`` arguments that vary between batches, by
+            parameter name (``{"input_ids": [0, 1], "attention_mask": [0, 1]}``): symbolic from the first step,
+            so padded batches of a new length build nothing (see :class:`~lightning_ort.ORTModule`). Each network
+            takes the names its ``forward`` has; a name no wrapped network takes is an error.
         export_onnx: at the end of ``fit``, write each wrapped network's inference model for deployment (see
             :meth:`~lightning_ort.ORTModule.export`): a ``.onnx`` file (one wrapped network; with several, each
             file adds the network's path: ``model.net.onnx``) or a folder (``<folder>/<path>.onnx``). Rank zero
@@ -98,6 +103,7 @@ class ORTConfig:
     cache_dir: str | os.PathLike[str] | None = None
     dynamic: bool | None = None
     blocks: Sequence[str] | str | None = "auto"
+    dynamic_axes: dict[str, list[int]] | None = None
     export_onnx: str | os.PathLike[str] | None = None
     log_metrics: bool = True
     prog_bar: bool = False
@@ -108,6 +114,11 @@ class ORTConfig:
         require_type(self, "log_metrics", bool, "True or False")
         require_type(self, "prog_bar", bool, "True or False")
         require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
+        require_type(self, "dynamic_axes", (dict, type(None)), "a dict of parameter names to axes, or None")
+        if self.dynamic is False and self.dynamic_axes:
+            raise ValueError(
+                "dynamic=False builds one graph per shape and dynamic_axes makes axes symbolic: drop one of them."
+            )
         require_type(self, "export_onnx", (str, os.PathLike, type(None)), "a .onnx file or a folder, or None")
         if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
             raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)
