@@ -167,6 +167,8 @@ class CapturedGraph:
                 f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, onnx_prefix='model', "
                 "log_level=LogLevel.VERBOSE) to see why; pass fallback='raise' to make this an error."
             )
+            if has_blocks(self._gm):  # a block call's own backward runs only inside a compiled graph
+                inline_blocks(self._gm)
             return self._gm.forward
         finally:
             exported = self._log.counts.export_seconds - exported_before

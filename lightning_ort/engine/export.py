@@ -36,6 +36,7 @@ import torch.fx
 from torch.onnx import ONNXProgram
 
 from lightning_ort.engine.dynamic import Symbols, is_symbolic, symbolic_dims
+from lightning_ort.engine.fx_passes import placeholders_first
 from lightning_ort.engine.layout import OutputLayout, OutputSpec, normalise_outputs
 from lightning_ort.engine.noise import Noise, lift_random_ops
 from lightning_ort.engine.once import Once
@@ -252,17 +253,11 @@ def _inline_size_inputs(
         (``None`` when no size needs it).
     """
     graph = gm.graph
-    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    placeholders = placeholders_first(graph)
     if not placeholders:
         return (), (), None
     sources = {symbol: (placeholders[index], dim) for symbol, (index, dim) in _size_symbols(example_inputs).items()}
-    # A split graph's partitions interleave placeholders with ops: gather them first (their order is kept).
     first_op = next(node for node in graph.nodes if node.op != "placeholder")
-    ops_seen = False
-    for node in list(graph.nodes):
-        ops_seen = ops_seen or node is first_op
-        if ops_seen and node.op == "placeholder":
-            first_op.prepend(node)
     carried = [
         index
         for index, (node, value) in enumerate(zip(placeholders, example_inputs))

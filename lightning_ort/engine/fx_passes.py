@@ -259,3 +259,26 @@ def _reads_nodes(args: tuple[object, ...]) -> bool:
 
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
 _VIEWS = _PERMUTES | {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+def placeholders_first(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Move every placeholder of ``graph`` before its first op, in their order; returns them.
+
+    A split graph's partitions interleave placeholders with ops; passes that add inputs after the last
+    placeholder need them all in front, so that a new input is defined before any op reads it.
+
+    Example:
+        >>> graph = torch.fx.Graph()
+        >>> x = graph.placeholder("x")
+        >>> y = graph.call_function(torch.neg, (x,))
+        >>> with graph.inserting_after(y):
+        ...     z = graph.placeholder("z")
+        >>> [node.name for node in placeholders_first(graph)], [node.name for node in graph.nodes]
+        (['x', 'z'], ['x', 'z', 'neg'])
+    """
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    first_op = next((node for node in graph.nodes if node.op != "placeholder"), None)
+    if first_op is not None:
+        for node in placeholders:
+            first_op.prepend(node)
+    return placeholders

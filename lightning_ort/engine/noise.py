@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from lightning_ort.engine.dynamic import Size, evaluate, symbolic_shape
+from lightning_ort.engine.fx_passes import placeholders_first
 from lightning_ort.engine.replacements import DROPOUT_KEEP
 from lightning_ort.errors import ExportError
 
@@ -93,7 +94,7 @@ def _threshold_mask(numel: int, device: torch.device, compare: str, limit: int) 
 
 def lift_random_ops(gm: torch.fx.GraphModule, device: torch.device) -> tuple[list[Noise], list[torch.Tensor]]:
     graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = placeholders_first(graph)
     last_placeholder: torch.fx.Node | None = placeholders[-1] if placeholders else None
     noises: list[Noise] = []
     examples: list[torch.Tensor] = []

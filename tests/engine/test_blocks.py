@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,8 +14,9 @@ from torch import nn
 from torch.torch_version import TorchVersion
 from typing_extensions import override
 
-from lightning_ort import BlockError, FallbackWarning, ORTModule
+from lightning_ort import BlockError, ExportError, FallbackWarning, ORTModule
 from lightning_ort.engine.blocks import marked_blocks, repeated_classes, resolve_blocks
+from lightning_ort.engine.capture import CapturedGraph
 from tests.helpers import assert_grads_close, assert_outputs_close, weighted_loss
 
 
@@ -295,3 +298,35 @@ def test_hugging_face_layers_on_padded_batches_match_eager(class_name: str, conf
     stats = blocked.statistics
     assert len(blocked.block_classes) == 1 and stats.block_graphs >= 2 and stats.block_reuses >= 4
     assert stats.fallback_ops == 0 and stats.eager_signatures == 0
+
+
+def test_bert_fine_tuning_with_dropout_and_blocks_runs_in_onnx_runtime() -> None:
+    # Dropout between BERT's blocks puts noise inputs into partitions whose inputs come after some of their ops.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    model = ORTModule(transformers.BertForSequenceClassification(config), blocks="auto")
+    ids, mask = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        model(input_ids=ids, attention_mask=mask.long(), labels=torch.tensor([0, 1, 1])).loss.backward()
+    stats = model.statistics
+    assert stats.eager_signatures == 0 and stats.fallback_ops == 0 and stats.block_graphs == 2
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_graph_with_block_calls_that_runs_in_pytorch_still_trains(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unbuildable(self: CapturedGraph, backend: Any) -> Any:
+        raise ExportError("simulated: a failure that names no op")
+
+    monkeypatch.setattr(CapturedGraph, "_compile_with_aot", unbuildable)
+    torch.manual_seed(0)
+    eager = Deep(depth=3)
+    blocked = ORTModule(copy.deepcopy(eager), blocks="auto")
+    with pytest.warns(FallbackWarning, match="runs in PyTorch for one of its graphs"):
+        weighted_loss(blocked(*_batch())).backward()
+    weighted_loss(eager(*_batch())).backward()
+    assert blocked.statistics.eager_signatures == 1
+    assert_grads_close(blocked, eager)
