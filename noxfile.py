@@ -23,8 +23,9 @@ COMPAT_SUBSET = (
     "tests/engine/test_export.py",
     "tests/lightning/test_wrapping.py",
     "tests/lightning/test_callback.py",
+    "tests/lightning/test_export_onnx.py",
 )
-"""The core ORTModule, block-graph and Lightning tests: what CI runs on the oldest torch (``-- fast``)."""
+"""The core ORTModule, block-graph, Lightning and deployment tests: what CI runs on the oldest torch (``-- fast``)."""
 
 
 @nox.session

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
 
+from lightning_ort.engine.blocks import blocks_unmarked
 from lightning_ort.errors import ExportError, first_line
 
 log = logging.getLogger(__name__)
@@ -354,7 +355,7 @@ def _takes(module: nn.Module, example: _Example) -> bool:
 
 def _export(module: nn.Module, example: _Example, spec: Any, owner: str) -> torch.onnx.ONNXProgram:
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), blocks_unmarked(module):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module,

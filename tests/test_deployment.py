@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_ort import ExportError, ORTModule
 from lightning_ort.deployment import FirstCall, export_for_deployment
+from lightning_ort.engine.blocks import marked_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
@@ -269,3 +270,21 @@ def test_export_leaves_the_module_it_exports_as_it_was(tmp_path: Path) -> None:
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
     model(torch.randn(3, 4)).sum().backward()  # still trains through ONNX Runtime
     assert model.statistics.backward_runs == 1
+
+
+def test_block_graphs_do_not_reach_the_deployment_file(tmp_path: Path) -> None:
+    # torch.export reused one marked block's parameters for every instance on torch 2.11.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    with torch.no_grad():
+        for index, block in enumerate(encoder.layers):
+            block.linear2.bias.fill_(float(index))  # instances that differ
+    model = ORTModule(encoder, blocks="auto")
+    x = torch.randn(4, 6, 32)
+    model(x).sum().backward()
+    assert model.statistics.block_graphs >= 2, "the layers trained through block graphs"
+    deployed = model.export(tmp_path / "encoder.onnx", x)
+    (out,) = _run(deployed.path, src=x)
+    torch.testing.assert_close(out, _eager(encoder, x), **TOLERANCE)
+    assert len(marked_blocks(encoder)) == 3, "the blocks are marked again after the export"

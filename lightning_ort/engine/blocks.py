@@ -12,6 +12,7 @@ no longer grow with depth.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -174,6 +175,33 @@ def unmark_blocks(model: nn.Module) -> None:
     """Give every block :func:`mark_blocks` marked in ``model`` its class's ``forward`` back."""
     for module in model.modules():
         _unmark(module)
+
+
+@contextlib.contextmanager
+def blocks_unmarked(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s marked blocks through their class's ``forward`` while in use; mark them again after.
+
+    For tracers other than ORTModule's (``torch.export``), which need not reuse one region's graph for every
+    instance with that instance's own parameters.
+
+    Example:
+        >>> model = nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2)))
+        >>> _ = mark_blocks(model, [nn.TransformerEncoderLayer])
+        >>> with blocks_unmarked(model):
+        ...     len(marked_blocks(model))
+        0
+        >>> len(marked_blocks(model))
+        2
+    """
+    marks = {module: module.__dict__[_MARK] for module in model.modules() if _MARK in module.__dict__}
+    for module in marks:
+        _unmark(module)
+    try:
+        yield
+    finally:
+        for module, forward in marks.items():
+            module.__dict__["forward"] = forward
+            module.__dict__[_MARK] = forward
 
 
 def marked_blocks(model: nn.Module) -> list[nn.Module]:
