@@ -50,8 +50,8 @@ class DeployedModel:
         inputs: input names and shapes, symbolic axes by name (``{"x": ("batch", 16)}``).
         outputs: output names and shapes.
         max_error: the largest difference from eager PyTorch over the check's runs; ``None`` when not checked.
-        checked_shapes: the input shapes the check ran, one tuple per run (the example, then a doubled batch where
-            the batch axis is symbolic).
+        checked_shapes: the input shapes the check ran, one tuple per run (the example, then the example with its
+            named symbolic axes doubled).
 
     Example:
         >>> DeployedModel(Path("m.onnx"), {"x": ("batch", 4)}, {"output": ("batch", 2)}, 1e-7, ()).input_names
@@ -93,13 +93,12 @@ def export_for_deployment(
         kwargs: example keyword arguments of ``forward``.
         dynamic_shapes: ``"batch"`` (default): axis 0 is symbolic, named ``batch``, in the first tensor input
             and in every tensor input whose axis 0 has the same size, where the model allows (an axis the model
-            fixes stays static, logged at INFO level). ``None``: every axis
-            is static. A mapping from ``forward``'s parameter names to ``{axis: name}``
-            (``{"input_ids": {0: "batch", 1: "sequence"}}``), nested like the argument for dicts and lists of
-            tensors; ``torch.export.Dim`` objects are accepted in place of names. An axis asked for by name that
-            the model fixes is an error.
+            fixes stays static, logged at INFO level). ``None``: every axis is static. A mapping from
+            ``forward``'s parameter names to ``{axis: name}`` (``{"input_ids": {0: "batch", 1: "sequence"}}``),
+            nested like the argument for dicts and lists of tensors; ``torch.export.Dim`` objects are accepted in
+            place of names. An axis asked for by name that the model fixes is an error.
         check: load the file into a fresh CPU ``onnxruntime.InferenceSession`` and compare its outputs with eager
-            PyTorch on the example (and on the example's batch doubled, where the batch axis is symbolic).
+            PyTorch on the example, and again with each of its named symbolic axes doubled.
         external_data: store the weights in a separate ``<file>.data``: ``None`` (default) does so above 2 GB,
             the protobuf limit.
 
@@ -148,19 +147,19 @@ def export_for_deployment(
     if not check:
         return DeployedModel(path, inputs, outputs, None, ())
     runs = [example]
-    named = set(wanted.values())
+    names = {name for name, _ in wanted.values()}
     symbolic = [
         (index, axis)
         for index, shape in enumerate(inputs.values())
         for axis, size in enumerate(shape)
-        if isinstance(size, str) and any(size == name for name, _ in named)
+        if isinstance(size, str) and size in names
     ]
     if symbolic:
         runs.append(example.doubled(symbolic))
-    errors = [_check(module, path, run, outputs, owner) for run in runs]
+    largest = max(_check(module, path, run, outputs, owner) for run in runs)
     shapes = tuple(tuple(tuple(t.shape) for t in run.tensors) for run in runs)
-    log.info("%s: wrote %s (%s -> %s), largest difference from eager %.2e", owner, path, inputs, outputs, max(errors))
-    return DeployedModel(path, inputs, outputs, max(errors), shapes)
+    log.info("%s: wrote %s (%s -> %s), largest difference from eager %.2e", owner, path, inputs, outputs, largest)
+    return DeployedModel(path, inputs, outputs, largest, shapes)
 
 
 class FirstCall:

@@ -265,7 +265,7 @@ class ORTModule(nn.Module):
         ``output_0``...), and no ONNX Runtime optimization specific to this machine is in it. The module is
         exported in eval mode (dropout off, batch norm's running statistics) and gets its mode back. With
         ``check`` the file is loaded into a fresh CPU ``onnxruntime.InferenceSession`` and compared with eager
-        PyTorch on the example, and on the example's batch doubled where the batch axis is symbolic. See
+        PyTorch on the example, and again with each of its symbolic axes doubled. See
         :func:`lightning_ort.deployment.export_for_deployment`.
 
         Args:
