@@ -14,14 +14,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ort.deployment import FirstCall, export_for_deployment
 from lightning_ort.errors import ORTModuleError
 from lightning_ort.lightning_options import ORTConfig, ort_arguments
 from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
-from lightning_ort.module import ORTModule, original_module
+from lightning_ort.module import ORTModule, is_sharded, original_module
 from lightning_ort.wrapping import wrap_submodules, wrapped_submodules
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ class ORTCallback(Callback):
         Gathering is a collective: every rank calls this (the unsharded copy is ``None`` except on rank zero).
         """
         network = original_module(wrapped)
-        if not any(isinstance(m, FSDPModule) for m in (wrapped, *network.modules())):
+        if not is_sharded(wrapped):
             return network
         if path not in self._unsharded:
             raise ORTModuleError(

@@ -10,6 +10,7 @@ fresh CPU ``onnxruntime.InferenceSession`` and its outputs compared with eager P
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -126,17 +127,12 @@ def export_for_deployment(
     owner = type(module).__name__
     example = _Example.bind(module, args, kwargs)
     spec, wanted = _dynamic_spec(example, dynamic_shapes)
-    training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            expected = module(*example.args, **example.kwargs)
-            if dynamic_shapes == BATCH and wanted and not _takes(module, example.doubled(wanted)):
-                log.info("%s takes only batches of %d: exported with a static batch axis", owner, example.batch)
-                spec, wanted = None, {}
+    with _eval_mode(module):
+        expected = _eager(module, example)
+        if dynamic_shapes == BATCH and wanted and not _takes(module, example.doubled(wanted)):
+            log.info("%s takes only batches of %d: exported with a static batch axis", owner, example.batch)
+            spec, wanted = None, {}
         program = _export(module, example, spec, owner)
-    finally:
-        module.train(training)
     graph = program.model.graph
     _name_outputs(graph, expected)
     _name_axes(program, wanted, owner)
@@ -146,7 +142,7 @@ def export_for_deployment(
     outputs = {str(value.name): _shape(value) for value in graph.outputs}
     if not check:
         return DeployedModel(path, inputs, outputs, None, ())
-    runs = [example]
+    runs = [(example, expected)]
     names = {name for name, _ in wanted.values()}
     symbolic = [
         (index, axis)
@@ -155,9 +151,11 @@ def export_for_deployment(
         if isinstance(size, str) and size in names
     ]
     if symbolic:
-        runs.append(example.doubled(symbolic))
-    largest = max(_check(module, path, run, outputs, owner) for run in runs)
-    shapes = tuple(tuple(tuple(t.shape) for t in run.tensors) for run in runs)
+        doubled = example.doubled(symbolic)
+        runs.append((doubled, _eager_on_doubled_axes(module, doubled, owner)))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    largest = max(_check(session, path, run, reference, outputs, owner) for run, reference in runs)
+    shapes = tuple(tuple(tuple(t.shape) for t in run.tensors) for run, _ in runs)
     log.info("%s: wrote %s (%s -> %s), largest difference from eager %.2e", owner, path, inputs, outputs, largest)
     return DeployedModel(path, inputs, outputs, largest, shapes)
 
@@ -343,13 +341,44 @@ def _named_axes(
     return None
 
 
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode while in use; its train/eval mode given back after."""
+    training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(training)
+
+
+def _eager(module: nn.Module, example: _Example) -> Any:
+    """What ``module`` returns on ``example``, without gradients."""
+    with torch.no_grad():
+        return module(*example.args, **example.kwargs)
+
+
 def _takes(module: nn.Module, example: _Example) -> bool:
     """Whether eager ``module`` runs on ``example``."""
     try:
-        module(*example.args, **example.kwargs)
+        _eager(module, example)
     except Exception:  # any failure means the model cannot take these shapes
         return False
     return True
+
+
+def _eager_on_doubled_axes(module: nn.Module, example: _Example, owner: str) -> Any:
+    """Eager ``module``'s (eval mode) output on ``example``, the check's run with the symbolic axes doubled."""
+    try:
+        with _eval_mode(module):
+            return _eager(module, example)
+    except Exception as error:  # the model itself refuses these sizes
+        shapes = [tuple(t.shape) for t in example.tensors]
+        raise ExportError(
+            f"{owner}: the check runs the model with its symbolic axes doubled (inputs of shapes {shapes}), and "
+            f"eager PyTorch fails there: {first_line(error)}. The model does not take other sizes on those axes: "
+            "leave them static (dynamic_shapes=None), or name only the axes that vary."
+        ) from error
 
 
 def _export(module: nn.Module, example: _Example, spec: Any, owner: str) -> torch.onnx.ONNXProgram:
@@ -466,32 +495,22 @@ def _shape(value: ir.Value) -> tuple[int | str, ...]:
     return tuple(d if isinstance(d, int) else str(d.value) for d in value.shape)
 
 
-def _check(module: nn.Module, path: Path, example: _Example, outputs: Mapping[str, Any], owner: str) -> float:
-    """Run the file in a fresh CPU session on ``example``; the largest difference from eager PyTorch."""
+def _check(
+    session: ort.InferenceSession,
+    path: Path,
+    example: _Example,
+    reference: Any,
+    outputs: Mapping[str, Any],
+    owner: str,
+) -> float:
+    """Run the file's ``session`` on ``example``; the largest difference from ``reference``, eager's output."""
     shapes = [tuple(t.shape) for t in example.tensors]
-    training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            expected = [
-                leaf
-                for leaf in pytree.tree_leaves(module(*example.args, **example.kwargs))
-                if isinstance(leaf, torch.Tensor)
-            ]
-    except Exception as error:  # the model itself refuses these sizes
-        raise ExportError(
-            f"{owner}: the check runs the model with its symbolic axes doubled (inputs of shapes {shapes}), and "
-            f"eager PyTorch fails there: {first_line(error)}. The model does not take other sizes on those axes: "
-            "leave them static (dynamic_shapes=None), or name only the axes that vary."
-        ) from error
-    finally:
-        module.train(training)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    expected = [leaf for leaf in pytree.tree_leaves(reference) if isinstance(leaf, torch.Tensor)]
     feeds = {meta.name: _numpy(t, meta.name) for meta, t in zip(session.get_inputs(), example.tensors, strict=True)}
     produced = session.run(None, feeds)
     worst = 0.0
-    for name, actual, reference in zip(outputs, produced, expected, strict=True):
-        want = reference.detach().cpu()
+    for name, actual, tensor in zip(outputs, produced, expected, strict=True):
+        want = tensor.detach().cpu()
         got = torch.from_numpy(np.asarray(actual))
         if tuple(got.shape) != tuple(want.shape):
             raise ExportError(

@@ -30,6 +30,7 @@ from lightning_ort.options import (
     argument_type_error,
     parse_fallback,
     parse_log_level,
+    refuse_static_with_dynamic_axes,
     require_type,
 )
 
@@ -115,10 +116,7 @@ class ORTConfig:
         require_type(self, "prog_bar", bool, "True or False")
         require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
         require_type(self, "dynamic_axes", (dict, type(None)), "a dict of parameter names to axes, or None")
-        if self.dynamic is False and self.dynamic_axes:
-            raise ValueError(
-                "dynamic=False builds one graph per shape and dynamic_axes makes axes symbolic: drop one of them."
-            )
+        refuse_static_with_dynamic_axes(self.dynamic, self.dynamic_axes)
         require_type(self, "export_onnx", (str, os.PathLike, type(None)), "a .onnx file or a folder, or None")
         if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
             raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)

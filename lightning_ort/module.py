@@ -9,6 +9,7 @@ import logging
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,15 @@ from lightning_ort.engine.disk_cache import DiskCache
 from lightning_ort.engine.profiling import KernelProfile, read_profiles
 from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
-from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings, configure_logger, parse_fallback
+from lightning_ort.options import (
+    DebugOptions,
+    Fallback,
+    LogLevel,
+    SessionSettings,
+    configure_logger,
+    parse_fallback,
+    refuse_static_with_dynamic_axes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +142,7 @@ class ORTModule(nn.Module):
         fallback = parse_fallback(fallback)
         if not isinstance(dynamic, (bool, type(None))):
             raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
-        axes = _dynamic_axes(module, dynamic_axes, dynamic)
+        axes = DynamicAxes.checked(module, dynamic_axes, dynamic)
         block_classes = resolve_blocks(module, blocks)
         if dynamic is True and block_classes:
             # Every dimension and float symbolic from the start: TorchDynamo passes float attributes (a
@@ -188,7 +197,7 @@ class ORTModule(nn.Module):
     @property
     def dynamic_axes(self) -> dict[str, tuple[int, ...]]:
         """The axes of ``forward``'s arguments that are symbolic from the first call, by parameter name."""
-        return dict(self._dynamic_axes)
+        return dict(self._dynamic_axes.axes) if self._dynamic_axes is not None else {}
 
     @property
     def block_classes(self) -> tuple[type[nn.Module], ...]:
@@ -293,7 +302,7 @@ class ORTModule(nn.Module):
             ({'input': ('batch', 4)}, {'output': ('batch', 2)})
         """
         module = self._original_module
-        if any(isinstance(m, FSDPModule) for m in (self, *module.modules())):
+        if is_sharded(self):
             raise ORTModuleError(
                 f"{type(module).__name__} is sharded by FSDP: ORTModule.export needs its full weights on one "
                 "process. Use the 'ort_fsdp' strategy's export_onnx=..., which gathers them first."
@@ -311,8 +320,8 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
         graphs = self._backend.build_log.counts.graphs
-        if self._dynamic_axes:
-            self._mark_dynamic_axes(args, kwargs)
+        if self._dynamic_axes is not None:
+            self._dynamic_axes.mark(args, kwargs)
         try:
             with (
                 trace_recurrent_layers(),
@@ -332,17 +341,6 @@ class ORTModule(nn.Module):
         if self._backend.build_log.counts.graphs != graphs:
             self._building_calls += 1
         return output
-
-    def _mark_dynamic_axes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Mark the ``dynamic_axes`` of this call's tensor arguments symbolic for TorchDynamo (where it can)."""
-        try:
-            bound = inspect.signature(self._original_module.forward).bind_partial(*args, **kwargs).arguments
-        except TypeError:  # the call itself fails, as it would without the marks
-            return
-        for name, axes in self._dynamic_axes.items():
-            value = bound.get(name)
-            if isinstance(value, torch.Tensor):
-                maybe_mark_dynamic(value, [axis % value.dim() for axis in axes if -value.dim() <= axis < value.dim()])
 
     def _drop_uncaptured_block(self, error: UncapturedHigherOrderOpError) -> None:
         """Capture the block class TorchDynamo could not capture whole with the model's graph from now on.
@@ -518,42 +516,73 @@ class ORTModule(nn.Module):
         return f"ORTModule({self._original_module!r})"
 
 
-def _dynamic_axes(
-    module: nn.Module, dynamic_axes: Mapping[str, Sequence[int]] | None, dynamic: bool | None
-) -> dict[str, tuple[int, ...]]:
-    """``dynamic_axes`` checked against ``module.forward``'s parameters, as tuples.
+@dataclass(frozen=True)
+class DynamicAxes:
+    """The axes of ``forward``'s tensor arguments that are marked symbolic before each call, by parameter name.
 
-    Raises:
-        ValueError: a name is not a parameter of ``forward``, an axis is not an integer, or ``dynamic=False``.
+    ``forward``'s signature is read once, when the module is wrapped, not on every call.
+
+    Example:
+        >>> DynamicAxes.checked(nn.Linear(4, 2), {"input": [0]}, dynamic=None).axes
+        {'input': (0,)}
     """
-    if not dynamic_axes:
-        return {}
-    owner = type(module).__name__
-    if not isinstance(dynamic_axes, Mapping):
-        raise TypeError(
-            f"ORTModule(dynamic_axes={dynamic_axes!r}): pass a mapping from {owner}.forward's parameter names to "
-            'axes, such as {"input_ids": [0, 1]}.'
-        )
-    if dynamic is False:
-        raise ValueError(
-            "ORTModule(dynamic=False, dynamic_axes=...): dynamic=False builds one graph per shape and dynamic_axes "
-            "makes axes symbolic: drop one of them."
-        )
-    parameters = inspect.signature(module.forward).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    unknown = sorted(name for name in dynamic_axes if name not in parameters and not takes_any)
-    if unknown:
-        raise ValueError(
-            f"ORTModule(dynamic_axes=...): {unknown} are not parameters of {owner}.forward; its parameters are "
-            f"{list(parameters)}."
-        )
-    axes: dict[str, tuple[int, ...]] = {}
-    for name, dims in dynamic_axes.items():
-        listed = [dims] if isinstance(dims, int) else list(dims)
-        if not all(isinstance(d, int) and not isinstance(d, bool) for d in listed):
-            raise ValueError(f"ORTModule(dynamic_axes={{{name!r}: {dims!r}}}): axes must be integers, such as [0, 1].")
-        axes[name] = tuple(listed)
-    return axes
+
+    signature: inspect.Signature
+    axes: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def checked(
+        cls, module: nn.Module, dynamic_axes: Mapping[str, Sequence[int]] | None, dynamic: bool | None
+    ) -> DynamicAxes | None:
+        """``dynamic_axes`` checked against ``module.forward``'s parameters; ``None`` when there are none.
+
+        Raises:
+            TypeError: ``dynamic_axes`` is not a mapping.
+            ValueError: a name is not a parameter of ``forward``, an axis is not an integer, or ``dynamic=False``.
+        """
+        if not dynamic_axes:
+            return None
+        owner = type(module).__name__
+        if not isinstance(dynamic_axes, Mapping):
+            raise TypeError(
+                f"ORTModule(dynamic_axes={dynamic_axes!r}): pass a mapping from {owner}.forward's parameter names "
+                'to axes, such as {"input_ids": [0, 1]}.'
+            )
+        refuse_static_with_dynamic_axes(dynamic, dynamic_axes)
+        signature = inspect.signature(module.forward)
+        parameters = signature.parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        unknown = sorted(name for name in dynamic_axes if name not in parameters and not takes_any)
+        if unknown:
+            raise ValueError(
+                f"ORTModule(dynamic_axes=...): {unknown} are not parameters of {owner}.forward; its parameters are "
+                f"{list(parameters)}."
+            )
+        axes: dict[str, tuple[int, ...]] = {}
+        for name, dims in dynamic_axes.items():
+            listed = [dims] if isinstance(dims, int) else list(dims)
+            if not all(isinstance(d, int) and not isinstance(d, bool) for d in listed):
+                raise ValueError(
+                    f"ORTModule(dynamic_axes={{{name!r}: {dims!r}}}): axes must be integers, such as [0, 1]."
+                )
+            axes[name] = tuple(listed)
+        return cls(signature, axes)
+
+    def mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Mark the axes of this call's tensor arguments symbolic for TorchDynamo (where it can)."""
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # the call itself fails, as it would without the marks
+            return
+        for name, axes in self.axes.items():
+            value = bound.get(name)
+            if isinstance(value, torch.Tensor):
+                maybe_mark_dynamic(value, [axis % value.dim() for axis in axes if -value.dim() <= axis < value.dim()])
+
+
+def is_sharded(wrapped: ORTModule) -> bool:
+    """Whether FSDP shards ``wrapped`` itself or any module inside the module it wraps."""
+    return any(isinstance(m, FSDPModule) for m in (wrapped, *original_module(wrapped).modules()))
 
 
 def original_module(wrapped: ORTModule) -> nn.Module:

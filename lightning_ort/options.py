@@ -41,6 +41,18 @@ def parse_fallback(value: str) -> Fallback:
     raise ValueError(f"fallback={value!r} is not a fallback policy; use 'auto' (run such ops in PyTorch) or 'raise'.")
 
 
+def refuse_static_with_dynamic_axes(dynamic: bool | None, dynamic_axes: object) -> None:
+    """Refuse ``dynamic=False`` together with ``dynamic_axes``: they ask for opposite things.
+
+    Example:
+        >>> refuse_static_with_dynamic_axes(None, {"input_ids": [0, 1]})
+    """
+    if dynamic is False and dynamic_axes:
+        raise ValueError(
+            "dynamic=False builds one graph per shape and dynamic_axes makes axes symbolic: drop one of them."
+        )
+
+
 class LogLevel(str, enum.Enum):
     """Verbosity of ORTModule and of the ONNX Runtime sessions it creates.
 
