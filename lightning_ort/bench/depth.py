@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ort.bench.workloads import synchronize
+from lightning_ort.bench.workloads import hugging_face_step, import_transformers
 from lightning_ort.engine.torch_internals import calculate_time_spent
 from lightning_ort.module import ORTModule
 
@@ -59,16 +58,11 @@ def gpt2_model(layers: int, width: int) -> nn.Module:
     Raises:
         ImportError: ``transformers`` is not installed.
     """
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError as err:
-        raise ImportError(
-            "python -m lightning_ort.bench --depth builds Hugging Face GPT-2 models: pip install transformers"
-        ) from err
-    config = GPT2Config(
+    transformers = import_transformers("--depth")
+    config = transformers.GPT2Config(
         n_layer=layers, n_embd=width, n_head=max(width // 64, 1), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
     )
-    model = GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config)
     model.config.use_cache = False
     return model
 
@@ -94,7 +88,7 @@ class _Trainee:
         self.device = device
 
     def step(self) -> float:
-        return training_step(self.model, self.optimizer, self.ids, self.device)
+        return hugging_face_step(self.model, self.optimizer, {"input_ids": self.ids, "labels": self.ids}, self.device)
 
     def first_step(self) -> dict[str, Any]:
         """The first step's time (s) and, for an ORTModule, its exports and :data:`PHASES`."""
@@ -105,18 +99,6 @@ class _Trainee:
             measured["phases"] = {phase: getattr(stats, phase) for phase in PHASES if phase != "tracing_seconds"}
             measured["phases"]["tracing_seconds"] = _dynamo_tracing_seconds()
         return measured
-
-
-def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, device: torch.device) -> float:
-    """One timed language-model training step of a Hugging Face causal LM on ``ids`` (seconds)."""
-    synchronize(device)
-    start = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def probe(kind: str, layers: int, width: int, steps: int, device: torch.device) -> dict[str, Any]:

@@ -68,7 +68,8 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_ort.bench.depth import gpt2_model, training_step
+    from lightning_ort.bench.depth import gpt2_model
+    from lightning_ort.bench.workloads import hugging_face_step
     from lightning_ort.module import ORTModule
     from lightning_ort.strategies import shard_network
 
@@ -102,7 +103,7 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
         times: dict[str, list[float]] = {name: [] for name in models}
         for step in range(steps + 1):
             for name, model in models.items():
-                elapsed = training_step(model, optimizers[name], ids, device)
+                elapsed = hugging_face_step(model, optimizers[name], {"input_ids": ids, "labels": ids}, device)
                 if step > 0:
                     times[name].append(elapsed * 1e3)
         ort = models["ort_fsdp"]

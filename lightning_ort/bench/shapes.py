@@ -20,7 +20,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ort.bench.workloads import synchronize
+from lightning_ort.bench.workloads import hugging_face_step, import_transformers
 from lightning_ort.module import ORTModule
 
 MODELS = ("gpt2", "bert")
@@ -55,12 +54,7 @@ def hugging_face_model(name: str, layers: int, width: int) -> nn.Module:
     Raises:
         ImportError: ``transformers`` is not installed.
     """
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError(
-            "python -m lightning_ort.bench --shapes builds Hugging Face models: pip install transformers"
-        ) from err
+    transformers = import_transformers("--shapes")
     heads = max(width // 64, 1)
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads))
@@ -96,23 +90,12 @@ def probe(name: str, mode: str, lengths: Sequence[int], layers: int, width: int,
     first, steady, builds = [], [], []
     for index, length in enumerate(lengths):
         batch = padded_batch(name, length, index, vocab)
-        first.append(_step(wrapped, optimizer, batch, device))
-        steady.append(statistics.median(_step(wrapped, optimizer, batch, device) * 1e3 for _ in range(steps)))
+        first.append(hugging_face_step(wrapped, optimizer, batch, device))
+        steady.append(
+            statistics.median(hugging_face_step(wrapped, optimizer, batch, device) * 1e3 for _ in range(steps))
+        )
         builds.append(wrapped.statistics.onnx_exports)
     return {"first_step_s": first, "step_ms": steady, "builds": builds}
-
-
-def _step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], device: torch.device
-) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    loss = model(**batch).loss
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def run_shapes_study(lengths: Sequence[int], layers: int, width: int, steps: int) -> list[ShapeRun]:

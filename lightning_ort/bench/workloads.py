@@ -12,7 +12,8 @@ a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tens
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,3 +142,27 @@ def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (CUDA), so that a timer around a step measures the step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def hugging_face_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, torch.Tensor], device: torch.device
+) -> float:
+    """One timed training step of a Hugging Face model whose loss comes from ``batch``'s labels (seconds)."""
+    synchronize(device)
+    start = time.perf_counter()
+    loss = model(**batch).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def import_transformers(option: str) -> Any:
+    """The ``transformers`` package, or an ImportError saying that ``option`` of the benchmark needs it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as err:
+        raise ImportError(
+            f"python -m lightning_ort.bench {option} builds Hugging Face models: pip install transformers"
+        ) from err

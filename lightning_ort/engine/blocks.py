@@ -156,8 +156,7 @@ def mark_blocks(model: nn.Module, classes: Iterable[type[nn.Module]], checkpoint
         else:
             forward = functools.partial(_block_forward, _region(type(module)), module)
         functools.update_wrapper(forward, type(module).forward)
-        module.__dict__["forward"] = forward
-        module.__dict__[_MARK] = forward
+        _mark(module, forward)
         marked.append(module)
     return marked
 
@@ -200,8 +199,7 @@ def blocks_unmarked(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for module, forward in marks.items():
-            module.__dict__["forward"] = forward
-            module.__dict__[_MARK] = forward
+            _mark(module, forward)
 
 
 def marked_blocks(model: nn.Module) -> list[nn.Module]:
@@ -231,6 +229,11 @@ def unmark_class(model: nn.Module, cls: type[nn.Module]) -> None:
     for module in model.modules():
         if isinstance(module, cls):
             _unmark(module)
+
+
+def _mark(module: nn.Module, forward: Callable[..., Any]) -> None:
+    module.__dict__["forward"] = forward
+    module.__dict__[_MARK] = forward
 
 
 def _unmark(module: nn.Module) -> None:

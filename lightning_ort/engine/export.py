@@ -102,7 +102,7 @@ def export_graph(
     sizes = any(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) for value in example_inputs)
     device = next((value.device for value in example_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
     fake_mode = detect_fake_mode(example_inputs)
-    dropped, carried, carrier = _inline_size_inputs(gm, example_inputs, device) if sizes else ((), (), None)
+    dropped, carried, carrier = _inline_size_inputs(gm, example_inputs, device, fake_mode) if sizes else ((), (), None)
     tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]
     if carrier is not None:
         tensor_inputs.append(carrier)
@@ -239,7 +239,7 @@ def _concrete(value: torch.Tensor) -> torch.Tensor:
 
 
 def _inline_size_inputs(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: torch.device
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: torch.device, fake_mode: Any
 ) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor | None]:
     """Replace integer (size) inputs of a dynamic-shape graph by computations on its tensor inputs' sizes.
 
@@ -250,7 +250,7 @@ def _inline_size_inputs(
 
     Returns:
         The dropped input positions, the positions of the integers the empty input carries, and its example
-        (``None`` when no size needs it).
+        (``None`` when no size needs it), made in ``fake_mode`` (the example inputs' fake tensor mode, if any).
     """
     graph = gm.graph
     placeholders = placeholders_first(graph)
@@ -268,8 +268,7 @@ def _inline_size_inputs(
     ]
     carrier = None
     if carried:
-        mode = detect_fake_mode(example_inputs)
-        with mode if mode is not None else contextlib.nullcontext():
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
             carrier = torch.empty((*(example_inputs[i] for i in carried), 0), dtype=torch.uint8, device=device)
         with graph.inserting_after(placeholders[-1]):
             holder = graph.placeholder("carried_sizes")
