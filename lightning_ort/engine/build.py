@@ -193,7 +193,7 @@ class GraphBuilder:
             key, graph = self._load_cached(gm, example_inputs, name)
             if graph is not None:
                 return self._open_session(graph)
-        unsupported = unsupported_nodes(gm, self._device)
+        unsupported = unsupported_nodes(gm)
         if unsupported and self._options.fallback == "raise":
             raise ExportError(
                 f"the {name} graph has ops ONNX Runtime cannot run: {describe_ops(gm, unsupported)}.\n"

@@ -41,6 +41,7 @@ from lightning_ort.engine.layout import OutputLayout, OutputSpec, normalise_outp
 from lightning_ort.engine.noise import Noise, lift_random_ops
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx_passes import (
+    compute_bfloat16_in_float,
     dequantize_scaled_masks,
     fuse_transposed_operands,
     nchwc_block_size,
@@ -134,17 +135,20 @@ def export_graph(
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
     on_cpu = device.type == "cpu"
+    widened = compute_bfloat16_in_float(model) if on_cpu else 0  # CPU kernels are float32
     split = split_gemm_bias(model) if on_cpu else 0  # pays on CPU's Gemm only
     fused = fuse_transposed_operands(model)
     blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
     masks = dequantize_scaled_masks(model) if on_cpu else 0
     row_sums = sum_rows_by_product(model) if on_cpu else 0
     log.debug(
-        "exported %s graph: %d nodes (%d biases split from Gemm, %d transposed matmul operands fused, "
-        "%d convolutions on NCHWc kernels, %d masks scaled by DequantizeLinear, %d row sums as products), "
+        "exported %s graph: %d nodes (%d bfloat16 ops computed in float32, %d biases split from Gemm, "
+        "%d transposed matmul operands fused, %d convolutions on NCHWc kernels, %d masks scaled by "
+        "DequantizeLinear, %d row sums as products), "
         "%d inputs, %d outputs",
         name,
         len(model.graph.node),
+        widened,
         split,
         fused,
         blocked,

@@ -131,6 +131,90 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
     return rewritten
 
 
+def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
+    """Compute the ``bfloat16`` ops of ``model`` in float32, in place; casts to ``bfloat16`` still round.
+
+    ONNX Runtime's CPU provider has ``bfloat16`` kernels for casts and little else, so an autocast graph would
+    otherwise leave most of its ops to PyTorch. Here ``bfloat16`` inputs and initializers are widened to
+    float32 and every op reads and writes float32. A ``Cast`` to ``bfloat16`` (where autocast lowers a matmul's
+    operands, or a tensor is stored) still rounds: its result is widened again for its readers. Between those
+    casts, values are not rounded after every op as PyTorch's ``bfloat16`` kernels do: that would double the
+    casts, and without it the results lie closer to float64 than eager ``bfloat16``'s. The graph's inputs and
+    outputs keep their ``bfloat16`` type, so saved activations stay half the size. Graphs with subgraphs
+    (``If``, ``Loop``, ``Scan``) are left as they are. Returns the number of ops moved to float32.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.BFLOAT16, [4])
+        >>> y = helper.make_tensor_value_info("y", onnx.TensorProto.BFLOAT16, [4])
+        >>> model = helper.make_model(helper.make_graph([helper.make_node("Mul", ["x", "x"], ["y"])], "g", [x], [y]))
+        >>> compute_bfloat16_in_float(model), [n.op_type for n in model.graph.node]
+        (1, ['Cast', 'Mul', 'Cast'])
+    """
+    graph = model.graph
+    values = _values(graph)
+    bf16, float32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    if all(value.elem_type != bf16 for value in values.values()) or any(
+        attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for attr in n.attribute
+    ):
+        return 0
+    in_float: dict[str, str] = {}  # a bfloat16 value -> the float32 value its readers read instead
+    nodes: list[onnx.NodeProto] = []
+
+    def widen(name: str) -> None:
+        in_float[name] = f"{name}_float"
+        nodes.append(helper.make_node("Cast", [name], [in_float[name]], f"{in_float[name]}_cast", to=float32))
+
+    for value in graph.input:
+        if values[value.name].elem_type == bf16:
+            widen(value.name)
+    for init in graph.initializer:
+        if init.data_type == bf16:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+    moved = 0
+    for node in graph.node:
+        reads_bf16 = any(name in in_float for name in node.input)
+        node.input[:] = [in_float.get(name, name) for name in node.input]
+        writes_bf16 = [i for i, name in enumerate(node.output) if name in values and values[name].elem_type == bf16]
+        if node.op_type == "CastLike" and writes_bf16:  # a cast to bfloat16 whose target is now float32
+            node = helper.make_node("Cast", node.input[:1], node.output, node.name, to=bf16)
+        nodes.append(node)
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+            for index in writes_bf16:
+                widen(node.output[index])
+            continue
+        _bfloat16_attributes_to_float(node)
+        moved += bool(reads_bf16 or writes_bf16)
+        for index in writes_bf16:
+            in_float[node.output[index]] = node.output[index] = f"{node.output[index]}_float"
+    produced = {name for node in nodes for name in node.output} | {value.name for value in graph.input}
+    for output in graph.output:
+        if output.name not in produced and output.name in in_float:
+            nodes.append(
+                helper.make_node("Cast", [in_float[output.name]], [output.name], f"{output.name}_cast", to=bf16)
+            )
+            produced.add(output.name)
+    declared = [value for value in graph.value_info if value.name in produced]
+    declared += [
+        helper.make_tensor_value_info(renamed, float32, list(values[name].dims) if name in values else None)
+        for name, renamed in in_float.items()
+    ]
+    del graph.value_info[:]
+    graph.value_info.extend(declared)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return moved
+
+
+def _bfloat16_attributes_to_float(node: onnx.NodeProto) -> None:
+    """Make the ``bfloat16`` element types and tensors of ``node``'s attributes float32 (``ConstantOfShape``'s
+    value, a random op's ``dtype``)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.INT and attr.name == "dtype" and attr.i == onnx.TensorProto.BFLOAT16:
+            attr.i = onnx.TensorProto.FLOAT
+        elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == onnx.TensorProto.BFLOAT16:
+            attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+
+
 def split_gemm_bias(model: onnx.ModelProto) -> int:
     """Turn ``Gemm(A, B, bias)`` (a Linear layer with bias) into ``MatMul(A, B)`` and ``Add(bias)``, in place.
 

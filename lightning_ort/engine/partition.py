@@ -31,13 +31,13 @@ from lightning_ort.errors import node_origin
 aten = torch.ops.aten
 
 
-def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[str, str]:
+def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """Nodes of ``gm`` ONNX Runtime cannot run, by name, each with the reason.
 
     Ops the ONNX exporter neither translates nor decomposes; ops on complex tensors (the exporter stores them
     as real tensors with a trailing axis of 2, which ONNX Runtime's kernels and our session I/O do not
-    share: results would come back misshapen); and on CPU ops on ``bfloat16`` tensors (ONNX Runtime's CPU
-    provider has kernels for casting them, not for computing with them).
+    share: results would come back misshapen). ``bfloat16`` ops on CPU are not among them: the exported graph
+    computes them in float32 (:func:`~lightning_ort.engine.onnx_passes.compute_bfloat16_in_float`).
     """
     covered = _onnx_coverage()
     reasons: dict[str, str] = {}
@@ -58,8 +58,6 @@ def unsupported_nodes(gm: torch.fx.GraphModule, device: torch.device) -> dict[st
             reasons[node.name] = "ONNX Runtime's ConvTranspose needs `output_padding` below `stride` for"
         elif any(dtype.is_complex for dtype in dtypes):
             reasons[node.name] = "ONNX Runtime has no complex tensors for"
-        elif device.type == "cpu" and node.target not in _CASTS and torch.bfloat16 in dtypes:
-            reasons[node.name] = "ONNX Runtime's CPUExecutionProvider has no bfloat16 kernel for"
     return reasons
 
 
@@ -113,9 +111,6 @@ def _dtypes(node: torch.fx.Node) -> set[torch.dtype]:
     values = [node.meta.get("val"), *(arg.meta.get("val") for arg in node.all_input_nodes)]
     flat = [v for value in values for v in (value if isinstance(value, (tuple, list)) else (value,))]
     return {v.dtype for v in flat if isinstance(v, torch.Tensor)}
-
-
-_CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default})
 
 
 def split_graph(gm: torch.fx.GraphModule, unsupported: Iterable[str]) -> tuple[torch.fx.GraphModule, list[str]]:

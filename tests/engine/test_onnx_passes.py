@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.onnx_passes import (
     DISABLED_ORT_OPTIMIZERS,
+    compute_bfloat16_in_float,
     dequantize_scaled_masks,
     fuse_transposed_operands,
     nchwc_block_size,
@@ -332,3 +333,75 @@ def test_other_reductions_are_left_alone(shape: list[int | str], axes: list[int]
     model = _row_sum_model(shape, axes, 1, dtype)
     assert sum_rows_by_product(model) == 0
     assert [n.op_type for n in model.graph.node] == ["ReduceSum"]
+
+
+def _bfloat16_model() -> onnx.ModelProto:
+    """float32 in and out; inside, bfloat16 values: a cast, a bfloat16 weight, a product, a softmax, a constant."""
+    weight = helper.make_tensor(
+        "w", TensorProto.BFLOAT16, [4, 3], np.full(12, 0x3F80 + 3, np.uint16).tobytes(), raw=True
+    )
+    one = helper.make_tensor("one", TensorProto.BFLOAT16, [1], np.array([0x3F80], np.uint16).tobytes(), raw=True)
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+        helper.make_node("MatMul", ["xb", "w"], ["hb"]),
+        helper.make_node("Shape", ["hb"], ["shape"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["ones"], value=one),
+        helper.make_node("Add", ["hb", "ones"], ["ab"]),
+        helper.make_node("Softmax", ["ab"], ["sb"], axis=-1),
+        helper.make_node("Cast", ["sb"], ["y"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("hb", TensorProto.BFLOAT16, [2, 3]),
+        ],
+        [weight],
+        value_info=[helper.make_tensor_value_info(name, TensorProto.BFLOAT16, [2, 3]) for name in ("ones", "ab", "sb")]
+        + [helper.make_tensor_value_info("xb", TensorProto.BFLOAT16, [2, 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_bfloat16_ops_run_on_cpu_in_float32_rounded_where_the_graph_casts() -> None:
+    model = _bfloat16_model()
+    with pytest.raises(Exception, match=r"NOT_IMPLEMENTED|Could not find an implementation"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert compute_bfloat16_in_float(model) == 5  # MatMul, Shape, ConstantOfShape, Add, Softmax
+    assert {init.data_type for init in model.graph.initializer} == {TensorProto.FLOAT}
+    assert [(o.name, o.type.tensor_type.elem_type) for o in model.graph.output] == [
+        ("y", TensorProto.FLOAT),
+        ("hb", TensorProto.BFLOAT16),
+    ]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = torch.tensor([[1.001, 2.0, -0.5, 0.25], [3.0, 1.0, 0.5, 2.0]])
+    y, hb = torch.empty(2, 3), torch.empty(2, 3, dtype=torch.bfloat16)
+    binding = session.io_binding()
+    binding.bind_input("x", "cpu", 0, TensorProto.FLOAT, [2, 4], x.data_ptr())
+    binding.bind_output("y", "cpu", 0, TensorProto.FLOAT, [2, 3], y.data_ptr())
+    binding.bind_output("hb", "cpu", 0, TensorProto.BFLOAT16, [2, 3], hb.data_ptr())
+    session.run_with_iobinding(binding)
+    weight = torch.full((4, 3), 1.0 + 3 / 128)  # bfloat16 0x3F83
+    product = x.bfloat16().float() @ weight  # the input is rounded where the graph casts it; the product is not
+    torch.testing.assert_close(y, torch.softmax(product + 1, -1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(hb, product.bfloat16(), rtol=0, atol=0)  # an output keeps its bfloat16 type
+
+
+def test_graph_without_bfloat16_or_with_subgraphs_is_left_alone() -> None:
+    plain = _scaled_mask_model(TensorProto.UINT8, [], extra_reader=False)
+    before = plain.SerializeToString()
+    assert compute_bfloat16_in_float(plain) == 0
+    assert plain.SerializeToString() == before
+    model = _bfloat16_model()
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])],
+        "b",
+        [],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+    )
+    model.graph.node.append(helper.make_node("If", ["flag"], ["w_out"], then_branch=branch, else_branch=branch))
+    before = model.SerializeToString()
+    assert compute_bfloat16_in_float(model) == 0
+    assert model.SerializeToString() == before
