@@ -133,13 +133,17 @@ def first_line(error: BaseException | str) -> str:
 _DYNAMO_ROOT = re.compile(r"^L\['\w+'\]\.?")
 """TorchDynamo's name for the traced function's argument (``L['module'].encoder`` is ``encoder``)."""
 
+_BLOCK_ARGUMENT = re.compile(r"\.forward\.args\[\d+\]")
+"""How a block graph's nodes name the block module, an argument of its call (``layers.0.forward.args[1].attn``
+is ``layers.0.attn``)."""
+
 
 def node_origin(node: torch.fx.Node) -> str:
     """Where a captured graph's node came from: its module path and class, else its source line ("" if unknown)."""
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if stack:
         path, module_type = list(stack.values())[-1]
-        path = _DYNAMO_ROOT.sub("", path) or "."
+        path = _BLOCK_ARGUMENT.sub("", _DYNAMO_ROOT.sub("", path)) or "."
         type_name = getattr(module_type, "__name__", str(module_type))
         return f"module `{path}` ({type_name})"
     return _innermost_line(node.meta.get("stack_trace") or "")

@@ -173,3 +173,44 @@ def test_op_onnx_runtime_rejects_runs_in_pytorch_and_the_layers_stay_in_ort() ->
     assert "aten::cumprod" in ran
     stats = wrapped.statistics
     assert stats.fallback_ops >= 1 and stats.eager_signatures == 0 and stats.backward_runs == 4
+
+
+def test_fallback_in_a_block_graph_names_the_module_by_its_path() -> None:
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cummax(self.proj(x), -1).values  # no ONNX translation
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.ff = Attention(), torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ff(self.attn(x)) + x
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer() for _ in range(3)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    eager = Stack()
+    wrapped = ORTModule(copy.deepcopy(eager), blocks="auto")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = _train_step(wrapped, x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert any("cummax" in m and "module `layers.0.attn` (Attention)" in m for m in messages), messages
+    assert not any(".forward.args[" in m for m in messages)
+    torch.testing.assert_close(actual, _train_step(eager, x), **OUTPUT_TOLERANCE)
+    assert wrapped.statistics.block_graphs > 0
