@@ -159,7 +159,12 @@ class ORTCallback(Callback):
                 f"lightning_ort: the wrapped submodules and where they ran (after the first step):\n"
                 f"{summary_table(modules)}"
             )
-        self._log(pl_module, modules, on_step=True)
+        if trainer._logger_connector.should_update_logs:  # as Lightning's LearningRateMonitor: a step it logs
+            self._log(pl_module, modules, on_step=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,7 +191,7 @@ class ORTCallback(Callback):
     def _log(self, pl_module: pl.LightningModule, modules: dict[str, ORTModule], on_step: bool) -> None:
         if not self._config.log_metrics:
             return
-        values = self._metrics.compute(total_statistics(modules), device=pl_module.device)
+        values = self._metrics.to(pl_module.device).reduce(total_statistics(modules))
         for name, value in values.items():
             pl_module.log(
                 name,

@@ -1,4 +1,7 @@
-"""ORT statistics as Lightning metrics, reduced across ranks with torchmetrics aggregations.
+"""ORT statistics as Lightning metrics, reduced across ranks in one torchmetrics collective.
+
+The callback reduces and logs them on the steps on which Lightning writes its logs (``log_every_n_steps``), at
+the end of each training epoch, and at the end of validation and test: between those, a step costs nothing.
 
 Logged names and their cross-rank reduction:
 
@@ -26,10 +29,13 @@ Logged names and their cross-rank reduction:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
-from torchmetrics import MaxMetric, Metric, MinMetric, SumMetric
+from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
+from typing_extensions import override
 
 from lightning_ort.engine.backend import CacheStatistics
 from lightning_ort.module import ORTModule, original_module
@@ -53,54 +59,71 @@ def total_statistics(modules: Mapping[str, ORTModule]) -> CacheStatistics:
     )
 
 
-class ORTMetrics:
-    """Cross-rank values of the ORT statistics, computed with torchmetrics aggregations.
+_REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    EXPORT_TIME: torch.max,
+    CAPTURE_TIME: torch.max,
+    CACHE_HITS: torch.sum,
+    CACHE_MISSES: torch.max,
+    FALLBACK_OPS: torch.max,
+    BLOCK_GRAPHS: torch.max,
+    BLOCK_REUSES: torch.sum,
+    GRAPH_BREAKS: torch.max,
+    ONNX_RUNTIME_SHARE: torch.min,
+}
+"""Each logged name and how its per-rank values combine (see the module docstring)."""
 
-    :meth:`compute` is a collective under ``torch.distributed``: every rank must call it at the same point.
+
+class ORTMetrics(Metric):
+    """Cross-rank values of the ORT statistics: every rank's values gathered in one collective, then reduced.
+
+    One ``all_gather`` of a row per rank serves all the names, where one torchmetrics aggregation per name
+    would cost one collective each. :meth:`reduce` (``compute`` under ``torch.distributed``) is a collective:
+    every rank must call it at the same point.
 
     Example:
         >>> metrics = ORTMetrics()
-        >>> values = metrics.compute(CacheStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
+        >>> values = metrics.reduce(CacheStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
         >>> {name: float(value) for name, value in values.items()}  # doctest: +NORMALIZE_WHITESPACE
         {'ort/export_time_s': 1.5, 'ort/capture_time_s': 0.0, 'ort/cache_hits': 3.0, 'ort/cache_misses': 2.0,
          'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0, 'ort/graph_breaks': 0.0,
          'ort/onnx_runtime_share': 0.0}
     """
 
-    def __init__(self) -> None:
-        self._metrics: dict[str, Metric] = {
-            EXPORT_TIME: MaxMetric(),
-            CAPTURE_TIME: MaxMetric(),
-            CACHE_HITS: SumMetric(),
-            CACHE_MISSES: MaxMetric(),
-            FALLBACK_OPS: MaxMetric(),
-            BLOCK_GRAPHS: MaxMetric(),
-            BLOCK_REUSES: SumMetric(),
-            GRAPH_BREAKS: MaxMetric(),
-            ONNX_RUNTIME_SHARE: MinMetric(),
-        }
+    full_state_update = False
+    rows: list[torch.Tensor]
 
-    def compute(self, stats: CacheStatistics, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Reduce this rank's cumulative ``stats`` over all ranks (a collective)."""
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("rows", default=[], dist_reduce_fx="cat")
+
+    @override
+    def update(self, stats: CacheStatistics) -> None:
+        """Add this rank's cumulative ``stats`` as a row."""
         local = {
-            EXPORT_TIME: float(stats.export_seconds),
-            CAPTURE_TIME: float(stats.capture_seconds),
-            CACHE_HITS: float(stats.cache_hits or 0),
-            CACHE_MISSES: float(stats.cache_misses or 0),
-            FALLBACK_OPS: float(stats.fallback_ops),
-            BLOCK_GRAPHS: float(stats.block_graphs),
-            BLOCK_REUSES: float(stats.block_reuses),
-            GRAPH_BREAKS: float(stats.graph_breaks or 0),
-            ONNX_RUNTIME_SHARE: float(stats.onnx_runtime_share or 0.0),  # 0 while nothing ran in ONNX Runtime
+            EXPORT_TIME: stats.export_seconds,
+            CAPTURE_TIME: stats.capture_seconds,
+            CACHE_HITS: stats.cache_hits or 0,
+            CACHE_MISSES: stats.cache_misses or 0,
+            FALLBACK_OPS: stats.fallback_ops,
+            BLOCK_GRAPHS: stats.block_graphs,
+            BLOCK_REUSES: stats.block_reuses,
+            GRAPH_BREAKS: stats.graph_breaks or 0,
+            ONNX_RUNTIME_SHARE: stats.onnx_runtime_share or 0.0,  # 0 while nothing ran in ONNX Runtime
         }
-        values = {}
-        for name, metric in self._metrics.items():
-            if device is not None:
-                metric.to(device)
-            metric.reset()
-            metric.update(torch.tensor(local[name], dtype=torch.float64, device=device))
-            values[name] = metric.compute().detach().float()
-        return values
+        row = [float(local[name]) for name in _REDUCTIONS]
+        self.rows.append(torch.tensor([row], dtype=torch.float64, device=self.device))
+
+    @override
+    def compute(self) -> dict[str, torch.Tensor]:
+        """Each name's value over the gathered rows (one row per rank)."""
+        rows = dim_zero_cat(self.rows)
+        return {name: reduce(rows[:, i]).float() for i, (name, reduce) in enumerate(_REDUCTIONS.items())}
+
+    def reduce(self, stats: CacheStatistics) -> dict[str, torch.Tensor]:
+        """This rank's cumulative ``stats`` reduced over all ranks (a collective)."""
+        self.reset()
+        self.update(stats)
+        return self.compute()
 
 
 def summary_table(modules: Mapping[str, ORTModule]) -> str:
