@@ -116,7 +116,7 @@ def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # no probe subprocesses in this test
-    monkeypatch.setattr(bench, "peak_memory_mib", lambda spec, runtimes, device: dict.fromkeys(runtimes, 1.0))
+    monkeypatch.setattr(bench, "peak_memory_mib", lambda spec, runtimes, *_: dict.fromkeys(runtimes, 1.0))
     out = tmp_path / "bench.json"
     args = ["--module", "tests.test_bench:tiny_workload", "--steps", "3", "--warmup", "1", "--no-lightning"]
     report = bench.main([*args, "--profile", str(tmp_path / "profiles"), "--json", str(out)])
@@ -135,10 +135,36 @@ def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
     assert 0 <= profiled.outside_ort_ms < profiled.step_ms
     printed = capsys.readouterr().out
     assert "ORT profile of tests.test_bench:tiny_workload, per step" in printed
-    assert "Tanh" in printed and "(outside kernels)" in printed
+    assert "Tanh" in printed and "(outside kernels)" in printed and "nodes run" in printed
     saved = json.loads(out.read_text())["profiles"][0]
     assert saved["profile"]["runs"] == 6
     assert {Path(f) for f in saved["profile"]["files"]} == set(profile.files)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision_runs_every_runtime_under_autocast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    monkeypatch.setattr(bench, "peak_memory_mib", lambda spec, runtimes, *_: dict.fromkeys(runtimes, 1.0))
+    args = ["--module", "tests.test_bench:tiny_workload", "--steps", "2", "--warmup", "0", "--no-lightning"]
+    report = bench.main([*args, "--precision", precision, "--profile", str(tmp_path)])
+    assert report.precision == precision
+    (workload,) = report.workloads
+    assert workload.runtimes["ort"].pytorch_fallback == ""
+    assert workload.max_abs_loss_diff_ort < 1e-2  # eager and ORT under the same autocast
+    assert "Cast" in {op.op_type for op in report.profiles[0].profile.ops}, "autocast's casts run in the graphs"
+    assert f"{precision}; median of 2 steps" in capsys.readouterr().out
+
+
+def test_gpt2_workload_is_hugging_face_defaults_with_its_own_loss() -> None:
+    pytest.importorskip("transformers")
+    workload = bench_workloads.WORKLOADS["gpt2"](torch.device("cpu"))
+    assert type(workload.model).__name__ == "GPT2LMHeadModel"
+    assert (workload.model.config.n_layer, workload.model.config.n_embd) == (12, 768)
+    assert workload.inputs == () and workload.kwargs["input_ids"].shape == (8, 512)
+    assert workload.kwargs["labels"] is workload.kwargs["input_ids"]
+    assert "gpt2" not in bench_workloads.DEFAULT_WORKLOADS
 
 
 @pytest.mark.slow

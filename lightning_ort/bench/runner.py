@@ -7,9 +7,11 @@ the first step's cost (ORT: capture, export and session creation; inductor: comp
 inductor cache unless ``--warm-inductor-cache``: ORT's first step is a cold export too), the peak memory
 (measured in a fresh process per runtime) and the step's distance to the matrix-product floor of this
 machine, measured in the same run. It then times ``Trainer(strategy="ort")`` against a plain loop over an
-ORTModule of the first workload. ``--profile DIR`` also trains each workload's ORTModule with ONNX Runtime's
-profiler on, keeps the profiles (Chrome-trace JSON) in ``DIR`` and prints where a step's time goes: kernel time
-per op type, ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
+ORTModule of the first workload. ``--precision bf16`` or ``fp16`` runs every runtime's forward and loss under
+``torch.autocast`` (fp16 with a ``GradScaler``), and the Lightning timing with ``bf16-mixed`` or ``16-mixed``.
+``--profile DIR`` also trains each workload's ORTModule with ONNX Runtime's profiler on, keeps the profiles
+(Chrome-trace JSON) in ``DIR`` and prints where a step's time goes: kernel time and nodes run per op type,
+ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
 The workloads and the ``--module`` factory contract are in :mod:`lightning_ort.bench.workloads`; the
 ``--depth``, ``--shapes`` and ``--fsdp`` studies in :mod:`lightning_ort.bench.depth`,
@@ -45,12 +47,15 @@ from lightning_ort.bench.depth import DepthResult, format_depth_report, format_p
 from lightning_ort.bench.fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
 from lightning_ort.bench.shapes import ShapeRun, format_shapes_report, run_shapes_study
 from lightning_ort.bench.shapes import probe as shapes_probe
-from lightning_ort.bench.workloads import WORKLOADS, Workload, load_factory, synchronize
+from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.profiling import KernelProfile
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions
 
 RUNTIMES = ("eager", "inductor", "ort")
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``--precision``: the autocast dtype (``None``: no autocast)."""
+LIGHTNING_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
 @dataclass
@@ -117,6 +122,7 @@ class BenchReport:
     workloads: list[WorkloadResult]
     lightning: LightningResult | None
     inductor_cache: str = "cold"
+    precision: str = "fp32"
     profiles: list[ProfileResult] = field(default_factory=list)
     depth: list[DepthResult] = field(default_factory=list)
     depth_width: int = 0
@@ -125,7 +131,9 @@ class BenchReport:
     shapes_layers: int = 0
 
 
-def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.device) -> dict[str, float]:
+def peak_memory_mib(
+    workload_spec: str, runtimes: Sequence[str], device: torch.device, precision: str = "fp32"
+) -> dict[str, float]:
     """Peak memory of each runtime's setup and two training steps, each measured in a fresh process.
 
     On CPU: the process's peak resident memory minus its resident memory once the workload is built (so
@@ -136,7 +144,7 @@ def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.d
     processes run at the same time (each reads only its own resident memory); on CUDA one after another,
     since they would share the device's memory.
     """
-    command = [sys.executable, "-m", "lightning_ort.bench", "--device", str(device)]
+    command = [sys.executable, "-m", "lightning_ort.bench", "--device", str(device), "--precision", precision]
     command += ["--module", workload_spec] if workload_spec not in WORKLOADS else ["--workload", workload_spec]
 
     def probe(runtime: str) -> float:
@@ -149,7 +157,7 @@ def peak_memory_mib(workload_spec: str, runtimes: Sequence[str], device: torch.d
         return dict(zip(runtimes, pool.map(probe, runtimes)))
 
 
-def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> float:
+def _memory_probe(workload: Workload, runtime: str, device: torch.device, precision: str) -> float:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
@@ -157,7 +165,7 @@ def _memory_probe(workload: Workload, runtime: str, device: torch.device) -> flo
     else:
         with open("/proc/self/statm") as statm:
             baseline = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    runner = _Runner(runtime, workload, device)
+    runner = _Runner(runtime, workload, device, precision=precision)
     runner.step()
     runner.step()
     if device.type == "cuda":
@@ -200,7 +208,7 @@ def step_matmul_flops(workload: Workload) -> int:
     """FLOPs of the matrix products (matmuls, convolutions, attention) in one forward and backward."""
     model = copy.deepcopy(workload.model)
     with FlopCounterMode(display=False) as counter:
-        workload.loss_fn(model(*workload.inputs)).backward()
+        workload.loss_fn(workload.forward(model)).backward()
     return int(counter.get_total_flops())
 
 
@@ -208,7 +216,12 @@ class _Runner:
     """One runtime's copy of the model, its optimizer and its step."""
 
     def __init__(
-        self, name: str, workload: Workload, device: torch.device, debug_options: DebugOptions | None = None
+        self,
+        name: str,
+        workload: Workload,
+        device: torch.device,
+        debug_options: DebugOptions | None = None,
+        precision: str = "fp32",
     ) -> None:
         model = copy.deepcopy(workload.model)
         self.name = name
@@ -218,6 +231,8 @@ class _Runner:
         elif name == "ort":
             self.model = ORTModule(model, debug_options)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.autocast_dtype = PRECISIONS[precision]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)
         self.workload = workload
         self.device = device
         self.losses: list[float] = []
@@ -238,10 +253,13 @@ class _Runner:
     def step(self) -> float:
         synchronize(self.device)
         start = time.perf_counter()
-        loss = self.workload.loss_fn(self.model(*self.workload.inputs))
+        dtype = self.autocast_dtype
+        with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = self.workload.loss_fn(self.workload.forward(self.model))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         synchronize(self.device)
         elapsed = time.perf_counter() - start
         self.losses.append(loss.item())
@@ -249,13 +267,19 @@ class _Runner:
 
 
 def run_workload(
-    workload: Workload, device: torch.device, steps: int, warmup: int, gflops: float, block: int = 5
+    workload: Workload,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    gflops: float,
+    block: int = 5,
+    precision: str = "fp32",
 ) -> WorkloadResult:
     """Time every runtime on ``workload``: warm-up, then ``steps`` timed steps in alternating blocks."""
     runners: list[_Runner] = []
     for name in RUNTIMES:
         torch.manual_seed(0)
-        runner = _Runner(name, workload, device)
+        runner = _Runner(name, workload, device, precision=precision)
         runner.first_step_s = runner.step()
         for _ in range(warmup):
             runner.step()
@@ -266,7 +290,7 @@ def run_workload(
     flops = step_matmul_flops(workload)
     floor_ms = flops / (gflops * 1e9) * 1e3
     eager_ms = statistics.median(runners[0].times_ms)
-    peaks = peak_memory_mib(workload.name, RUNTIMES, device)
+    peaks = peak_memory_mib(workload.name, RUNTIMES, device, precision)
     results = {
         r.name: RuntimeResult(
             step_ms=statistics.median(r.times_ms),
@@ -285,7 +309,7 @@ def run_workload(
 
 
 def profile_workload(
-    workload: Workload, device: torch.device, steps: int, warmup: int, directory: Path
+    workload: Workload, device: torch.device, steps: int, warmup: int, directory: Path, precision: str = "fp32"
 ) -> ProfileResult:
     """Train an ORTModule of ``workload`` with ONNX Runtime's profiler on; profiles go to ``directory``.
 
@@ -293,7 +317,7 @@ def profile_workload(
     """
     torch.manual_seed(0)
     debug = DebugOptions(profile=True, save_path=directory, onnx_prefix=re.sub(r"[^\w.-]", "_", workload.name))
-    runner = _Runner("ort", workload, device, debug)
+    runner = _Runner("ort", workload, device, debug, precision)
     for _ in range(1 + warmup):
         runner.step()
     times_ms = [runner.step() * 1e3 for _ in range(steps)]
@@ -301,7 +325,9 @@ def profile_workload(
     return ProfileResult(workload.name, steps, statistics.fmean(times_ms), profile)
 
 
-def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: int) -> LightningResult:
+def run_lightning(
+    workload: Workload, device: torch.device, steps: int, warmup: int, precision: str = "fp32"
+) -> LightningResult:
     """Median step of ``Trainer(strategy="ort")`` and of a plain loop over an ORTModule of the same model."""
     import lightning.pytorch as pl
 
@@ -326,7 +352,7 @@ def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: 
             self.net = copy.deepcopy(workload.model)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return workload.loss_fn(self.net(*workload.inputs))
+            return workload.loss_fn(workload.forward(self.net))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -334,7 +360,7 @@ def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: 
         def train_dataloader(self) -> list[int]:
             return list(range(steps + warmup + 1))
 
-    plain = _Runner("ort", workload, device)
+    plain = _Runner("ort", workload, device, precision=precision)
     for _ in range(warmup + 1):
         plain.step()
     # The plain loop's steps are timed before and after the Trainer's, so that a machine that slows down or
@@ -345,6 +371,7 @@ def run_lightning(workload: Workload, device: torch.device, steps: int, warmup: 
         strategy="ort",
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=1,
+        precision=LIGHTNING_PRECISIONS[precision],  # type: ignore[arg-type]
         max_steps=steps + warmup + 1,
         logger=False,
         enable_checkpointing=False,
@@ -365,7 +392,8 @@ def format_report(report: BenchReport) -> str:
         f"lightning_ort benchmark on {report.device} ({report.threads} threads), torch {report.torch_version}, "
         f"onnxruntime {report.onnxruntime_version}",
         f"matrix-product rate: {report.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
-        f"median of {report.steps} steps; inductor's first step with a {report.inductor_cache} cache",
+        f"{report.precision}; median of {report.steps} steps; inductor's first step with a {report.inductor_cache} "
+        "cache",
         "",
     ]
     if report.depth:
@@ -452,7 +480,18 @@ def inductor_cache(cold: bool) -> Iterator[str]:
 def main(argv: Sequence[str] | None = None) -> BenchReport:
     """Command-line entry point; returns the report it printed."""
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="repeatable; default: all")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        action="append",
+        help=f"repeatable; default: {', '.join(DEFAULT_WORKLOADS)}",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp32",
+        help="fp32, or torch.autocast to bf16 or fp16 (fp16 with a GradScaler) (default fp32)",
+    )
     parser.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
@@ -535,21 +574,27 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     if args.fsdp:
         fsdp = run_fsdp_study(args.fsdp, args.fsdp_layers, args.depth_width, args.steps, device)
         return _report(args, device, matmul_gflops(device), fsdp=fsdp)
-    factories = [WORKLOADS[name] for name in args.workload or ([] if args.module else list(WORKLOADS))]
+    factories = [WORKLOADS[name] for name in args.workload or ([] if args.module else DEFAULT_WORKLOADS)]
     factories += [load_factory(spec) for spec in args.module]
     workloads = [factory(device) for factory in factories]
     for workload in workloads:
         workload.model.to(device)
     if args.memory_probe:
-        print(json.dumps({"peak_mib": _memory_probe(workloads[0], args.memory_probe, device)}))
+        print(json.dumps({"peak_mib": _memory_probe(workloads[0], args.memory_probe, device, args.precision)}))
         sys.exit(0)
     gflops = matmul_gflops(device)
     with inductor_cache(cold=not args.warm_inductor_cache):
-        results = [run_workload(w, device, args.steps, args.warmup, gflops) for w in workloads]
-    lightning = None if args.no_lightning else run_lightning(workloads[0], device, args.steps, args.warmup)
+        results = [
+            run_workload(w, device, args.steps, args.warmup, gflops, precision=args.precision) for w in workloads
+        ]
+    lightning = None
+    if not args.no_lightning:
+        lightning = run_lightning(workloads[0], device, args.steps, args.warmup, args.precision)
     profiles = []
     if args.profile is not None:
-        profiles = [profile_workload(w, device, args.steps, args.warmup, args.profile) for w in workloads]
+        profiles = [
+            profile_workload(w, device, args.steps, args.warmup, args.profile, args.precision) for w in workloads
+        ]
     return _report(args, device, gflops, workloads=results, lightning=lightning, profiles=profiles)
 
 
@@ -567,6 +612,7 @@ def _report(args: argparse.Namespace, device: torch.device, gflops: float, **res
         workloads=results.pop("workloads", []),
         lightning=results.pop("lightning", None),
         inductor_cache="warm" if args.warm_inductor_cache else "cold",
+        precision=args.precision,
         **results,
     )
     print(format_report(report))

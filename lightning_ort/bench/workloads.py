@@ -4,6 +4,9 @@
   dropout 0.1), ``Linear(256, 1000)``; 32 x 64 tokens, cross-entropy.
 * ``mlp``: ``Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10)``, batch 256.
 * ``cnn``: a conv/BatchNorm/ReLU stem and three residual stages (32, 64, 128 channels) on 64 images 32x32x3.
+* ``gpt2``: Hugging Face ``GPT2LMHeadModel`` with its default configuration (12 layers, width 768, dropout 0.1),
+  8 x 512 tokens, its own loss from ``labels``. Sized for a GPU, so it runs only when asked for
+  (``--workload gpt2``); it needs ``transformers``.
 
 A factory for ``--module`` takes a :class:`torch.device` and returns ``(module, inputs, loss_fn)``: ``inputs``
 a tuple of tensors for ``module(*inputs)`` and ``loss_fn(output)`` a scalar tensor.
@@ -14,7 +17,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +33,11 @@ class Workload:
     model: nn.Module
     inputs: tuple[torch.Tensor, ...]
     loss_fn: Callable[[Any], torch.Tensor]
+    kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def forward(self, model: nn.Module) -> Any:
+        """``model``'s output on this workload's batch."""
+        return model(*self.inputs, **self.kwargs)
 
 
 class ResidualBlock(nn.Module):
@@ -117,11 +125,23 @@ def cnn_workload(device: torch.device) -> Workload:
     return Workload("cnn", model, (images,), _token_loss(labels))
 
 
+def gpt2_workload(device: torch.device) -> Workload:
+    """Hugging Face GPT2LMHeadModel, default configuration (12 layers, width 768), 8 x 512 tokens, its own loss."""
+    transformers = import_transformers("--workload gpt2")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50257, (8, 512), generator=g).to(device)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    return Workload("gpt2", model, (), lambda output: output.loss, {"input_ids": ids, "labels": ids})
+
+
 WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
     "transformer": transformer_workload,
     "mlp": mlp_workload,
     "cnn": cnn_workload,
+    "gpt2": gpt2_workload,
 }
+DEFAULT_WORKLOADS = ("transformer", "mlp", "cnn")
+"""What runs without ``--workload``."""
 
 
 def load_factory(spec: str) -> Callable[[torch.device], Workload]:

@@ -85,6 +85,7 @@ class KernelProfile:
             Gemm                CPU         4.00     80.0%      1
             (outside kernels)               1.00     20.0%
             ONNX Runtime runs               5.00    100.0%      1
+            nodes run                                           1
         """
         per = max(per, 1)
         total = self.run_ms or 1.0
@@ -98,9 +99,14 @@ class KernelProfile:
         rest = self.ops[top:]
         if rest:
             rest_ms = sum(op.milliseconds for op in rest)
-            lines.append(f"{f'({len(rest)} other op types)':<28}  {rest_ms / per:>6.2f}  {rest_ms / total:>8.1%}")
+            rest_calls = sum(op.calls for op in rest)
+            lines.append(
+                f"{f'({len(rest)} other op types)':<28}  {rest_ms / per:>6.2f}  {rest_ms / total:>8.1%}"
+                f"  {rest_calls // per:>5}"
+            )
         lines.append(f"{'(outside kernels)':<28}  {self.overhead_ms / per:>6.2f}  {self.overhead_ms / total:>8.1%}")
         lines.append(f"{'ONNX Runtime runs':<28}  {self.run_ms / per:>6.2f}  {1:>8.1%}  {self.runs // per:>5}")
+        lines.append(f"{'nodes run':<46}  {sum(op.calls for op in self.ops) // per:>5}")
         return "\n".join(lines)
 
 
