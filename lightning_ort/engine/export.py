@@ -41,6 +41,7 @@ from lightning_ort.engine.layout import OutputLayout, OutputSpec, normalise_outp
 from lightning_ort.engine.noise import Noise, lift_random_ops
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx_passes import (
+    collapse_reshapes,
     compute_bfloat16_in_float,
     dequantize_scaled_masks,
     fuse_transposed_operands,
@@ -141,14 +142,17 @@ def export_graph(
     blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
     masks = dequantize_scaled_masks(model) if on_cpu else 0
     row_sums = sum_rows_by_product(model) if on_cpu else 0
+    reshapes = collapse_reshapes(model)  # last: the passes above add reshapes too
     log.debug(
-        "exported %s graph: %d nodes (%d bfloat16 ops computed in float32, %d biases split from Gemm, "
+        "exported %s graph: %d nodes (%d bfloat16 ops computed in float32, %d reshapes removed, "
+        "%d biases split from Gemm, "
         "%d transposed matmul operands fused, %d convolutions on NCHWc kernels, %d masks scaled by "
         "DequantizeLinear, %d row sums as products), "
         "%d inputs, %d outputs",
         name,
         len(model.graph.node),
         widened,
+        reshapes,
         split,
         fused,
         blocked,

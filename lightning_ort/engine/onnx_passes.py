@@ -2,6 +2,9 @@
 
 * :func:`simplify`: inlining, constant folding and dead-code removal, as ``torch.onnx``'s optimizer does, without
   its pattern rewriter.
+* :func:`compute_bfloat16_in_float` (CPU graphs): ``bfloat16`` ops (autocast) computed in float32, for which
+  ONNX Runtime's CPU provider has kernels; casts to ``bfloat16`` still round.
+* :func:`collapse_reshapes`: reshapes that change nothing are dropped and chains of reshapes shortcut.
 * :func:`split_gemm_bias` (CPU graphs): a ``Gemm`` with a bias becomes a product and an ``Add`` (ONNX Runtime's
   CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
@@ -215,6 +218,99 @@ def _bfloat16_attributes_to_float(node: onnx.NodeProto) -> None:
             attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
 
 
+_RESHAPING = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+"""Ops that change a tensor's shape and keep its elements in order."""
+
+
+def collapse_reshapes(model: onnx.ModelProto) -> int:
+    """Drop reshapes that change nothing and shortcut chains of reshapes, in place.
+
+    The export translates every ``view`` of the captured graph, and AOTAutograd's backward views its gradients
+    back and forth (``[b*t, c]`` for a product, ``[b, t, c]`` around it), so a transformer's backward graph
+    is about a third ``Reshape`` nodes, each a kernel launch that ONNX Runtime does not remove. A
+    ``Reshape``, ``Squeeze``, ``Unsqueeze`` or ``Flatten`` whose declared input and output shapes are the
+    same (static sizes, or the same symbolic size) is dropped unless the graph returns its result. A
+    ``Reshape`` to a constant shape that reads a chain of reshaping ops reads the chain's input instead (the
+    elements are in the same order); the ops it skipped go when nothing else reads them. Returns the number of
+    nodes removed.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4])
+        >>> shape_6x4 = numpy_helper.from_array(np.array([6, 4], np.int64), "shape_6x4")
+        >>> shape_2x12 = numpy_helper.from_array(np.array([2, 12], np.int64), "shape_2x12")
+        >>> nodes = [
+        ...     helper.make_node("Reshape", ["x", "shape_6x4"], ["flat"]),
+        ...     helper.make_node("Unsqueeze", ["flat", "zero"], ["wide"]),
+        ...     helper.make_node("Reshape", ["wide", "shape_2x12"], ["y"]),
+        ... ]
+        >>> y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+        >>> graph = helper.make_graph(nodes, "g", [x], [y], [shape_6x4, shape_2x12])
+        >>> model = helper.make_model(graph)
+        >>> collapse_reshapes(model), [(n.op_type, list(n.input)) for n in model.graph.node]
+        (2, [('Reshape', ['x', 'shape_2x12'])])
+    """
+    graph = model.graph
+    shapes = _declared_shapes(graph)
+    constant_shapes = {
+        init.name: numpy_helper.to_array(init) for init in graph.initializer if init.data_type == onnx.TensorProto.INT64
+    }
+    returned = {output.name for output in graph.output}
+    producers: dict[str, onnx.NodeProto] = {}
+    readers_of: dict[str, str] = {}  # a dropped node's output -> the value its readers read instead
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        node.input[:] = [readers_of.get(name, name) for name in node.input]
+        if node.op_type in _RESHAPING and node.domain in ("", "ai.onnx"):
+            source, result = node.input[0], node.output[0]
+            shape = shapes.get(source)
+            if result not in returned and shape is not None and shape == shapes.get(result):
+                readers_of[result] = source
+                continue
+            if node.op_type == "Reshape" and _independent_of_input_shape(node, constant_shapes):
+                while (skipped := producers.get(node.input[0])) is not None and skipped.op_type in _RESHAPING:
+                    node.input[0] = skipped.input[0]
+        producers.update(dict.fromkeys(node.output, node))
+        nodes.append(node)
+    removed = len(graph.node) - len(nodes)
+    while True:  # drop the reshaping ops nothing reads any more
+        read = _read_names(nodes, graph)
+        kept = [n for n in nodes if n.op_type not in _RESHAPING or any(output in read for output in n.output)]
+        if len(kept) == len(nodes):
+            break
+        removed += len(nodes) - len(kept)
+        nodes = kept
+    if removed:
+        defined = {name for node in nodes for name in node.output}
+        defined |= {value.name for value in graph.input} | {init.name for init in graph.initializer}
+        declared = [value for value in graph.value_info if value.name in defined]
+        del graph.value_info[:]
+        graph.value_info.extend(declared)
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return removed
+
+
+def _declared_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int | str, ...]]:
+    """Each value's declared shape, symbolic sizes by name; values with an unknown size are left out."""
+    shapes: dict[str, tuple[int | str, ...]] = {}
+    for value in [*graph.value_info, *graph.input, *graph.output]:
+        tensor = value.type.tensor_type
+        if not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor.shape.dim]
+        if all(d != "" for d in dims):
+            shapes[value.name] = tuple(dims)
+    return shapes
+
+
+def _independent_of_input_shape(reshape: onnx.NodeProto, constant_shapes: dict[str, np.ndarray]) -> bool:
+    """Whether ``reshape``'s result shape is a constant that does not copy sizes of its input (no ``0``
+    entry unless ``allowzero``)."""
+    target = constant_shapes.get(reshape.input[1]) if len(reshape.input) > 1 else None
+    allowzero = next((attr.i for attr in reshape.attribute if attr.name == "allowzero"), 0)
+    return target is not None and (bool(allowzero) or not (target == 0).any())
+
+
 def split_gemm_bias(model: onnx.ModelProto) -> int:
     """Turn ``Gemm(A, B, bias)`` (a Linear layer with bias) into ``MatMul(A, B)`` and ``Add(bias)``, in place.
 
@@ -353,14 +449,18 @@ def sum_rows_by_product(model: onnx.ModelProto) -> int:
             f"{prefix}_sums_shape",
         )
         initializers[ones] = numpy_helper.from_array(np.ones((1, rows), np.float32), ones)
-        initializers[matrix_shape] = numpy_helper.from_array(np.array([rows, columns], np.int64), matrix_shape)
-        initializers[result_shape] = numpy_helper.from_array(np.array(output_shape, np.int64), result_shape)
         matrix, sums = f"{prefix}_rows", f"{prefix}_sums"
-        nodes += [
-            helper.make_node("Reshape", [node.input[0], matrix_shape], [matrix], matrix),
-            helper.make_node("MatMul", [ones, matrix], [sums], node.name),
-            helper.make_node("Reshape", [sums, result_shape], list(node.output), f"{prefix}_reshape"),
-        ]
+        if shape == [rows, columns]:  # already a matrix
+            matrix = node.input[0]
+        else:
+            initializers[matrix_shape] = numpy_helper.from_array(np.array([rows, columns], np.int64), matrix_shape)
+            nodes.append(helper.make_node("Reshape", [node.input[0], matrix_shape], [matrix], matrix))
+        if output_shape == [1, columns]:  # the product's own shape
+            nodes.append(helper.make_node("MatMul", [ones, matrix], list(node.output), node.name))
+        else:
+            initializers[result_shape] = numpy_helper.from_array(np.array(output_shape, np.int64), result_shape)
+            nodes.append(helper.make_node("MatMul", [ones, matrix], [sums], node.name))
+            nodes.append(helper.make_node("Reshape", [sums, result_shape], list(node.output), f"{prefix}_reshape"))
         rewritten += 1
     if rewritten:
         del graph.node[:]

@@ -1,8 +1,10 @@
-"""ONNX-level rewrites: Gemm biases split off, transposed MatMul operands fused where that pays, NCHWc convolutions."""
+"""ONNX-level rewrites: Gemm biases split off, transposed MatMul operands fused where that pays, NCHWc convolutions,
+bfloat16 computed in float32, reshapes collapsed."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +12,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.onnx_passes import (
     DISABLED_ORT_OPTIMIZERS,
+    collapse_reshapes,
     compute_bfloat16_in_float,
     dequantize_scaled_masks,
     fuse_transposed_operands,
@@ -302,16 +305,24 @@ def _row_sum_model(
 
 
 @pytest.mark.parametrize(
-    ("shape", "axes", "keepdims"),
-    [([2048, 64], [0], 1), ([2048, 64], [-2], 0), ([16, 128, 32], [0, 1], 0), ([16, 8, 4, 4], [1, 0], 1)],
+    ("shape", "axes", "keepdims", "ops"),
+    [
+        ([2048, 64], [0], 1, ["MatMul"]),  # already rows, and the product's [1, 64] is the result's shape
+        ([2048, 64], [-2], 0, ["MatMul", "Reshape"]),
+        ([16, 128, 32], [0, 1], 0, ["Reshape", "MatMul", "Reshape"]),
+        ([16, 8, 4, 4], [1, 0], 1, ["Reshape", "MatMul", "Reshape"]),
+    ],
 )
-def test_row_sums_become_a_product_with_ones_and_sum_the_same(shape: list[int], axes: list[int], keepdims: int) -> None:
+def test_row_sums_become_a_product_with_ones_and_sum_the_same(
+    shape: list[int], axes: list[int], keepdims: int, ops: list[str]
+) -> None:
     model = _row_sum_model(shape, axes, keepdims)
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     expected = _run(model, {"x": x})
     assert sum_rows_by_product(model) == 1
-    assert [n.op_type for n in model.graph.node] == ["Reshape", "MatMul", "Reshape"]
-    assert model.graph.node[1].name == "node_sum", "the product keeps the reduction's name (errors point at it)"
+    assert [n.op_type for n in model.graph.node] == ops
+    (product,) = [n for n in model.graph.node if n.op_type == "MatMul"]
+    assert product.name == "node_sum", "the product keeps the reduction's name (errors point at it)"
     assert "axes" not in {init.name for init in model.graph.initializer}, "the unused axes are dropped"
     actual = _run(model, {"x": x})
     assert actual.shape == expected.shape
@@ -405,3 +416,55 @@ def test_graph_without_bfloat16_or_with_subgraphs_is_left_alone() -> None:
     before = model.SerializeToString()
     assert compute_bfloat16_in_float(model) == 0
     assert model.SerializeToString() == before
+
+
+def test_reshape_chains_and_reshapes_that_change_nothing_are_removed_with_the_same_result() -> None:
+    def shape(name: str, values: list[int]) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.array(values, np.int64), name)
+
+    nodes = [
+        helper.make_node("Reshape", ["x", "to_6x4"], ["flat"]),  # read by the chain below and by Relu
+        helper.make_node("Reshape", ["flat", "to_24"], ["line"]),
+        helper.make_node("Reshape", ["line", "to_2x12"], ["y"]),  # reads x directly afterwards
+        helper.make_node("Reshape", ["x", "to_2x3x4"], ["same"]),  # changes nothing
+        helper.make_node("Relu", ["same"], ["r"]),
+        helper.make_node("Relu", ["flat"], ["f"]),
+        helper.make_node("Reshape", ["flat", "copy_first_4"], ["z"]),  # 0 copies a size of its input: kept
+        helper.make_node("Reshape", ["x", "to_2x3x4"], ["returned"]),  # the graph returns it: kept
+    ]
+    float_value = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [float_value("x", shape=[2, 3, 4])],
+        [float_value(name, shape=None) for name in ("y", "r", "f", "z", "returned")],
+        [
+            shape(name, values)
+            for name, values in [
+                ("to_6x4", [6, 4]),
+                ("to_24", [24]),
+                ("to_2x12", [2, 12]),
+                ("to_2x3x4", [2, 3, 4]),
+                ("copy_first_4", [0, 4]),
+            ]
+        ],
+        value_info=[
+            float_value(name, shape=dims) for name, dims in [("flat", [6, 4]), ("line", [24]), ("same", [2, 3, 4])]
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    x = np.random.rand(2, 3, 4).astype(np.float32)
+    expected = _run_all(model, {"x": x})
+    assert collapse_reshapes(model) == 2  # `line`'s reshape, skipped by the chain, and `same`
+    assert [(n.output[0], n.input[0]) for n in model.graph.node if n.op_type == "Reshape"] == [
+        ("flat", "x"),
+        ("y", "x"),
+        ("z", "flat"),
+        ("returned", "x"),
+    ]
+    for actual, wanted in zip(_run_all(model, {"x": x}), expected):
+        np.testing.assert_array_equal(actual, wanted)
+
+
+def _run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
