@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_ort.bench import runner as bench
+from lightning_ort.bench import shapes
 from lightning_ort.bench import workloads as bench_workloads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +191,35 @@ def test_depth_study_times_first_steps_in_fresh_processes(tmp_path: Path) -> Non
         assert phases["tracing_seconds"] > 0 and built < depth["first_step_s"][runtime], phases
     assert "blocks/whole" in result.stdout
     assert "where the ORT first step went" in result.stdout
+
+
+def test_shapes_report_counts_a_recompile_after_the_first_step() -> None:
+    run = {"model": "bert", "lengths": [64, 96], "step_ms": [90.0, 100.0], "builds": [6, 12]}
+    automatic = shapes.ShapeRun(mode="automatic", first_step_s=[10.0, 19.0], slowest_later_s=[0.1, 0.1], **run)
+    declared = shapes.ShapeRun(mode="declared", first_step_s=[12.0, 0.1], slowest_later_s=[9.0, 0.1], **run)
+    assert declared.slowest_after_first_s == 9.0, "the first length's second step recompiled"
+    report = shapes.format_shapes_report([automatic, declared], layers=2, width=64)
+    assert "12.0 9.0 (6)" in report
+    assert "slowest step after the first, against the first: automatic 1.90x, declared 0.75x" in report
+
+
+@pytest.mark.slow
+def test_shapes_study_trains_both_models_in_both_modes(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "shapes.json"
+    args = ["--shapes", "8", "12", "--shapes-layers", "1", "--depth-width", "32", "--steps", "2", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(out.read_text())["shapes"]
+    assert [(r["model"], r["mode"]) for r in runs] == [(m, mode) for m in shapes.MODELS for mode in shapes.MODES]
+    for run in runs:
+        assert len(run["first_step_s"]) == len(run["slowest_later_s"]) == len(run["builds"]) == 2
+        assert run["builds"][0] > 0
+    declared = {r["model"]: r for r in runs if r["mode"] == "declared"}
+    assert all(r["builds"][1] == r["builds"][0] for r in declared.values()), "one symbolic graph serves both"
+    assert "slowest step after the first" in result.stdout
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """First-step cost against depth: ``python -m lightning_ort.bench --depth 2 12``.
 
-A GPT-2 style model (Hugging Face ``GPT2LMHeadModel``, dropout off, a batch of 4 x 128 tokens) at each layer
+Hugging Face ``GPT2LMHeadModel`` as a user builds it (the default configuration but for the layer count and
+width: dropout 0.1, ``use_cache`` on, the loss from ``labels``), a batch of 4 x 128 tokens, at each layer
 count. Each runtime's first training step (forward, backward, AdamW) is timed in a fresh process: ORTModule
 with block graphs (``blocks="auto"``: the layers share one exported graph), ORTModule with one graph for the
 whole model, and ``torch.compile`` (inductor) with an empty cache; the ORTModules' statistics say where
@@ -53,18 +54,15 @@ class DepthResult:
 
 
 def gpt2_model(layers: int, width: int) -> nn.Module:
-    """``GPT2LMHeadModel`` with ``layers`` layers of ``width`` (heads of 64), GPT-2's vocabulary, no dropout.
+    """``GPT2LMHeadModel`` with ``layers`` layers of ``width`` (heads of 64); the rest of ``GPT2Config``'s defaults.
 
     Raises:
         ImportError: ``transformers`` is not installed.
     """
     transformers = import_transformers("--depth")
-    config = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=max(width // 64, 1), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1))
     )
-    model = transformers.GPT2LMHeadModel(config)
-    model.config.use_cache = False
-    return model
 
 
 def _batch(device: torch.device, vocab: int = 50257) -> torch.Tensor:
@@ -152,8 +150,8 @@ def _run_probe(kind: str, layers: int, width: int, steps: int, device: torch.dev
 def format_depth_report(results: Sequence[DepthResult], width: int) -> str:
     """The table ``--depth`` prints: first steps and steady steps per layer count."""
     lines = [
-        f"GPT-2 style model (GPT2LMHeadModel, width {width}, batch 4 x 128): first training step in fresh "
-        "processes (s), steady step (median ms, alternating in one process)",
+        f"GPT2LMHeadModel (default configuration, width {width}, batch 4 x 128, loss from labels): first training "
+        "step in fresh processes (s), steady step (median ms, alternating in one process)",
         f"{'layers':>6}{'ORT blocks':>12}{'ORT whole':>11}{'inductor':>10}{'exports':>10}"
         f"{'eager ms':>10}{'blocks ms':>11}{'whole ms':>10}{'blocks/whole':>14}",
     ]

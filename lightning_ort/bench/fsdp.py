@@ -1,7 +1,8 @@
 """Sharded training against replicated: ``python -m lightning_ort.bench --fsdp 2``.
 
-A GPT-2 style model (Hugging Face ``GPT2LMHeadModel``, dropout off, a batch of 4 x 128 tokens per rank) trains
-on N processes (gloo on CPU, NCCL on CUDA) in three runtimes, whose steps alternate in the same processes:
+Hugging Face ``GPT2LMHeadModel`` (its default configuration but for depth and width; a batch of 4 x 128 tokens
+per rank) trains on N processes (gloo on CPU, NCCL on CUDA) in three runtimes, whose steps alternate in the same
+processes:
 PyTorch DDP, plain FSDP2 (``fully_shard`` per block, then the model) and the ``ort_fsdp`` arrangement (the model
 in an :class:`~lightning_ort.ORTModule` with block graphs, sharded by
 :func:`~lightning_ort.strategies.shard_network`). Each rank's parameter and AdamW state bytes show what

@@ -10,8 +10,9 @@ batch per length in the order given, with block graphs. Each is run in a fresh p
 * ``declared`` (``dynamic_axes`` on the batch and sequence axes of every input): the first graph is symbolic
   and serves every length.
 
-Each length's first step (build included, if any) and the median of its steady steps are reported, with the
-builds so far.
+Each length's first step (build included, if any), its slowest later step (a model may recompile on its second
+call: Hugging Face's ``BertForSequenceClassification`` sets ``config.problem_type`` in its first) and the median
+of its later steps are reported, with the builds so far.
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ INPUTS = ("input_ids", "attention_mask", "labels")
 
 @dataclass
 class ShapeRun:
-    """One model in one mode: per length, the first step (s), the median steady step (ms) and the builds so far."""
+    """One model in one mode: per length, the first step (s), the slowest later step (s), the median later step
+    (ms) and the builds so far."""
 
     model: str
     mode: str
     lengths: list[int]
     first_step_s: list[float]
+    slowest_later_s: list[float]
     step_ms: list[float]
     builds: list[int]
+
+    @property
+    def slowest_after_first_s(self) -> float:
+        """The slowest step after the model's very first: the costliest rebuild, or a steady step if none."""
+        return max([*self.first_step_s[1:], *self.slowest_later_s])
 
 
 def hugging_face_model(name: str, layers: int, width: int) -> nn.Module:
@@ -87,15 +95,15 @@ def probe(name: str, mode: str, lengths: Sequence[int], layers: int, width: int,
     device = torch.device("cpu")
     config: Any = model.config
     vocab = int(config.vocab_size)
-    first, steady, builds = [], [], []
+    first, slowest, steady, builds = [], [], [], []
     for index, length in enumerate(lengths):
         batch = padded_batch(name, length, index, vocab)
         first.append(hugging_face_step(wrapped, optimizer, batch, device))
-        steady.append(
-            statistics.median(hugging_face_step(wrapped, optimizer, batch, device) * 1e3 for _ in range(steps))
-        )
+        later = [hugging_face_step(wrapped, optimizer, batch, device) for _ in range(steps)]
+        slowest.append(max(later))
+        steady.append(statistics.median(later) * 1e3)
         builds.append(wrapped.statistics.onnx_exports)
-    return {"first_step_s": first, "step_ms": steady, "builds": builds}
+    return {"first_step_s": first, "slowest_later_s": slowest, "step_ms": steady, "builds": builds}
 
 
 def run_shapes_study(lengths: Sequence[int], layers: int, width: int, steps: int) -> list[ShapeRun]:
@@ -121,20 +129,23 @@ def format_shapes_report(runs: Sequence[ShapeRun], layers: int, width: int) -> s
     lengths = runs[0].lengths
     lines = [
         f"new padded lengths (batch {BATCH}, {layers} layers of width {width}, block graphs): each length's first "
-        "step in s (builds so far), then the last length's steady step",
-        f"{'model':<6}{'mode':<11}" + "".join(f"{f'length {n}':>16}" for n in lengths) + f"{'steady ms':>11}",
+        "step in s, its slowest later step in s (builds so far), then the last length's steady step",
+        f"{'model':<6}{'mode':<11}" + "".join(f"{f'length {n}':>18}" for n in lengths) + f"{'steady ms':>11}",
     ]
     for run in runs:
-        cells = "".join(f"{f'{s:.1f} ({b})':>16}" for s, b in zip(run.first_step_s, run.builds, strict=True))
+        cells = "".join(
+            f"{f'{s:.1f} {later:.1f} ({b})':>18}"
+            for s, later, b in zip(run.first_step_s, run.slowest_later_s, run.builds, strict=True)
+        )
         lines.append(f"{run.model:<6}{run.mode:<11}{cells}{run.step_ms[-1]:>11.0f}")
     for name in dict.fromkeys(r.model for r in runs):
         by_mode = {r.mode: r for r in runs if r.model == name}
         if set(by_mode) == set(MODES):
             automatic, declared = by_mode["automatic"], by_mode["declared"]
             lines.append(
-                f"{name}: slowest build against the first: automatic "
-                f"{max(automatic.first_step_s) / automatic.first_step_s[0]:.2f}x, declared "
-                f"{max(declared.first_step_s) / declared.first_step_s[0]:.2f}x; declared first step against "
+                f"{name}: slowest step after the first, against the first: automatic "
+                f"{automatic.slowest_after_first_s / automatic.first_step_s[0]:.2f}x, declared "
+                f"{declared.slowest_after_first_s / declared.first_step_s[0]:.2f}x; declared first step against "
                 f"automatic {declared.first_step_s[0] / automatic.first_step_s[0]:.2f}x, steady "
                 f"{declared.step_ms[-1] / automatic.step_ms[-1]:.2f}x"
             )
