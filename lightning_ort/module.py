@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ort.deployment import DeployedModel, DynamicShapes, export_for_deployment
-from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, trace_recurrent_layers
+from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, tracing_settings
 from lightning_ort.engine.blocks import (
     BlockSpec,
     mark_blocks,
@@ -324,7 +324,7 @@ class ORTModule(nn.Module):
             self._dynamic_axes.mark(args, kwargs)
         try:
             with (
-                trace_recurrent_layers(),
+                tracing_settings(),
                 DynamoEvents(
                     self._backend.build_log,
                     type(self._original_module).__name__,

@@ -165,3 +165,19 @@ def test_torch_compile_backend_rejects_unknown_options() -> None:
     compiled = torch.compile(nn.Linear(2, 2), backend="ort", options={"save_onx": True})
     with pytest.raises(Exception, match=r"unknown option\(s\) \['save_onx'\]"):
         compiled(torch.randn(1, 2))
+
+
+def test_hugging_face_warning_once_does_not_break_the_graph() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids, labels=ids).loss
+    wrapped = ORTModule(model)
+    loss = wrapped(input_ids=ids, labels=ids).loss  # its loss property calls logger.warning_once (loss_type)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, **OUTPUT_TOLERANCE)
+    stats = wrapped.statistics
+    assert stats.graph_breaks == 0 and stats.graphs == 1, "one graph: the advice is skipped while tracing"
+    assert torch._dynamo.config.ignore_logging_functions == set(), "set for ORTModule's call only"

@@ -24,6 +24,7 @@ from tests.zoo.architectures import LSTMTagger
 def _globals() -> tuple[object, ...]:
     return (
         torch._dynamo.config.allow_rnn,
+        set(torch._dynamo.config.ignore_logging_functions),
         torch._functorch.config.guess_tangent_strides_as_outputs,
         list(warnings.filters),
         list(logging.getLogger("lightning_ort").handlers),

@@ -276,17 +276,26 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
     )
 
 
-def trace_recurrent_layers() -> contextlib.AbstractContextManager[None]:
-    """Let TorchDynamo trace ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` while in use (``torch._dynamo.config.allow_rnn``).
+def tracing_settings() -> contextlib.AbstractContextManager[None]:
+    """TorchDynamo settings for ORTModule's calls, set for each call only and restored after it.
 
-    It breaks the graph at them otherwise, and they run in PyTorch; traced, they run in ONNX Runtime like any other
-    op. The setting is TorchDynamo's, process-wide: it is set for ORTModule's calls only and restored after each.
-    Not on torch releases that trace them wrongly
-    (:data:`~lightning_ort.engine.torch_internals.TRACES_RECURRENT_LAYERS`).
+    TorchDynamo's configuration is process-wide, so these never outlive the call:
+
+    * ``allow_rnn``: trace ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN``, which otherwise break the graph and run in
+      PyTorch; traced, they run in ONNX Runtime like any other op. Not on torch releases that trace them wrongly
+      (:data:`~lightning_ort.engine.torch_internals.TRACES_RECURRENT_LAYERS`).
+    * ``ignore_logging_functions`` gains ``logging.Logger.warning_once``, the one-time advice that Hugging Face
+      ``transformers`` adds to every logger (for instance about ``loss_type`` in each causal LM's loss): a
+      logger call breaks the graph, and TorchDynamo then traces the layers before it twice. Skipped while
+      tracing, such a warning prints when the code runs outside a graph.
     """
-    if not TRACES_RECURRENT_LAYERS:
-        return contextlib.nullcontext()
-    return dynamo_config.patch(allow_rnn=True)
+    changes: dict[str, Any] = {}
+    if TRACES_RECURRENT_LAYERS:
+        changes["allow_rnn"] = True
+    warning_once = getattr(logging.Logger, "warning_once", None)
+    if warning_once is not None:
+        changes["ignore_logging_functions"] = {*dynamo_config.ignore_logging_functions, warning_once}
+    return dynamo_config.patch(**changes) if changes else contextlib.nullcontext()
 
 
 class DynamoEvents:
