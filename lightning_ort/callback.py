@@ -152,15 +152,14 @@ class ORTCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        modules = wrapped_submodules(pl_module)
         if not self._summary_shown:
             self._summary_shown = True
             rank_zero_info(
                 f"lightning_ort: the wrapped submodules and where they ran (after the first step):\n"
-                f"{summary_table(modules)}"
+                f"{summary_table(wrapped_submodules(pl_module))}"
             )
         if trainer._logger_connector.should_update_logs:  # as Lightning's LearningRateMonitor: a step it logs
-            self._log(pl_module, modules, on_step=True)
+            self._log(pl_module, wrapped_submodules(pl_module), on_step=True)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
