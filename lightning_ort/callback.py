@@ -159,20 +159,20 @@ class ORTCallback(Callback):
                 f"{summary_table(wrapped_submodules(pl_module))}"
             )
         if trainer._logger_connector.should_update_logs:  # as Lightning's LearningRateMonitor: a step it logs
-            self._log(pl_module, wrapped_submodules(pl_module), on_step=True)
+            self._log(pl_module, on_step=True)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
+        self._log(pl_module, on_step=False)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
+            self._log(pl_module, on_step=False)
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, wrapped_submodules(pl_module), on_step=False)
+        self._log(pl_module, on_step=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -187,10 +187,10 @@ class ORTCallback(Callback):
                     f"first; totals):\n{profile.format_table()}\nfiles: {', '.join(map(str, profile.files))}"
                 )
 
-    def _log(self, pl_module: pl.LightningModule, modules: dict[str, ORTModule], on_step: bool) -> None:
+    def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
         if not self._config.log_metrics:
             return
-        values = self._metrics.to(pl_module.device).reduce(total_statistics(modules))
+        values = self._metrics.to(pl_module.device).reduce(total_statistics(wrapped_submodules(pl_module)))
         for name, value in values.items():
             pl_module.log(
                 name,

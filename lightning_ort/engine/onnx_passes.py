@@ -196,13 +196,11 @@ def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
                 helper.make_node("Cast", [in_float[output.name]], [output.name], f"{output.name}_cast", to=bf16)
             )
             produced.add(output.name)
-    declared = [value for value in graph.value_info if value.name in produced]
-    declared += [
+    _keep_value_info(graph, produced)
+    graph.value_info.extend(
         helper.make_tensor_value_info(renamed, float32, list(values[name].dims) if name in values else None)
         for name, renamed in in_float.items()
-    ]
-    del graph.value_info[:]
-    graph.value_info.extend(declared)
+    )
     del graph.node[:]
     graph.node.extend(nodes)
     return moved
@@ -227,7 +225,7 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
 
     The export translates every ``view`` of the captured graph, and AOTAutograd's backward views its gradients
     back and forth (``[b*t, c]`` for a product, ``[b, t, c]`` around it), so a transformer's backward graph
-    is about a third ``Reshape`` nodes, each a kernel launch that ONNX Runtime does not remove. A
+    holds many ``Reshape`` nodes, each a kernel launch that ONNX Runtime does not remove. A
     ``Reshape``, ``Squeeze``, ``Unsqueeze`` or ``Flatten`` whose declared input and output shapes are the
     same (static sizes, or the same symbolic size) is dropped unless the graph returns its result. A
     ``Reshape`` to a constant shape that reads a chain of reshaping ops reads the chain's input instead (the
@@ -250,7 +248,7 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
         (2, [('Reshape', ['x', 'shape_2x12'])])
     """
     graph = model.graph
-    shapes = _declared_shapes(graph)
+    values = _values(graph)
     constant_shapes = {
         init.name: numpy_helper.to_array(init) for init in graph.initializer if init.data_type == onnx.TensorProto.INT64
     }
@@ -262,8 +260,9 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
         node.input[:] = [readers_of.get(name, name) for name in node.input]
         if node.op_type in _RESHAPING and node.domain in ("", "ai.onnx"):
             source, result = node.input[0], node.output[0]
-            shape = shapes.get(source)
-            if result not in returned and shape is not None and shape == shapes.get(result):
+            before, after = values.get(source), values.get(result)
+            dims = before.dims if before is not None else (None,)
+            if result not in returned and None not in dims and after is not None and dims == after.dims:
                 readers_of[result] = source
                 continue
             if node.op_type == "Reshape" and _independent_of_input_shape(node, constant_shapes):
@@ -281,26 +280,10 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
         nodes = kept
     if removed:
         defined = {name for node in nodes for name in node.output}
-        defined |= {value.name for value in graph.input} | {init.name for init in graph.initializer}
-        declared = [value for value in graph.value_info if value.name in defined]
-        del graph.value_info[:]
-        graph.value_info.extend(declared)
+        _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
         del graph.node[:]
         graph.node.extend(nodes)
     return removed
-
-
-def _declared_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int | str, ...]]:
-    """Each value's declared shape, symbolic sizes by name; values with an unknown size are left out."""
-    shapes: dict[str, tuple[int | str, ...]] = {}
-    for value in [*graph.value_info, *graph.input, *graph.output]:
-        tensor = value.type.tensor_type
-        if not tensor.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor.shape.dim]
-        if all(d != "" for d in dims):
-            shapes[value.name] = tuple(dims)
-    return shapes
 
 
 def _independent_of_input_shape(reshape: onnx.NodeProto, constant_shapes: dict[str, np.ndarray]) -> bool:
@@ -623,14 +606,16 @@ def _left_fusion_pays(left: list[int] | None, right: list[int] | None) -> bool:
 
 @dataclass(frozen=True)
 class _Value:
-    """What the graph declares about one tensor: element type and dimensions (``None``: symbolic)."""
+    """What the graph declares about one tensor: element type and dimensions (a name: a symbolic size; ``None``:
+    unknown)."""
 
     elem_type: int
-    dims: tuple[int | None, ...]
+    dims: tuple[int | str | None, ...]
 
     @property
     def static_shape(self) -> list[int] | None:
-        return None if any(d is None for d in self.dims) else [d for d in self.dims if d is not None]
+        sizes = [d for d in self.dims if isinstance(d, int)]
+        return sizes if len(sizes) == len(self.dims) else None
 
 
 def _read_names(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> set[str]:
@@ -644,9 +629,16 @@ def _values(graph: onnx.GraphProto) -> dict[str, _Value]:
     for value in [*graph.value_info, *graph.input, *graph.output]:
         tensor = value.type.tensor_type
         if tensor.HasField("shape"):
-            dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim)
+            dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
             values[value.name] = _Value(tensor.elem_type, dims)
     return values
+
+
+def _keep_value_info(graph: onnx.GraphProto, defined: set[str]) -> None:
+    """Drop ``graph``'s ``value_info`` entries for values a rewrite no longer defines."""
+    kept = [value for value in graph.value_info if value.name in defined]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
 
 
 def _swapping_transpose(node: onnx.NodeProto | None) -> onnx.NodeProto | None:

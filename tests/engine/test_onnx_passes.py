@@ -201,8 +201,7 @@ def _conv_model(
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return _run_all(model, feeds)[0]
 
 
 def test_nchwc_block_size_is_a_block_ort_uses_or_zero() -> None:
