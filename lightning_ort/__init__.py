@@ -24,7 +24,7 @@ try:
 except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
 
-from lightning_ort.deployment import DeployedModel, export_for_deployment
+from lightning_ort.deployment import DeployedModel, ExportSpec, export_for_deployment
 from lightning_ort.engine.backend import CacheStatistics, ORTBackend
 from lightning_ort.engine.build import BuildCounts
 from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
@@ -108,6 +108,7 @@ __all__ = [
     "DeployedModel",
     "DiskCacheWarning",
     "ExportError",
+    "ExportSpec",
     "Fallback",
     "FallbackWarning",
     "KernelProfile",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
-from lightning_ort.deployment import FirstCall, export_for_deployment
+from lightning_ort.deployment import ExportSpec, FirstCall, export_for_deployment
 from lightning_ort.errors import ORTModuleError
 from lightning_ort.lightning_options import ORTConfig, ort_arguments
 from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
@@ -97,7 +98,8 @@ class ORTCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Write ``export_onnx``'s deployment files from the trained weights (rank zero; the others wait)."""
         first_calls, self._first_calls = self._first_calls, {}
-        if self._config.export_onnx is None:
+        spec = self._config.export_spec
+        if spec is None:
             return
         modules = wrapped_submodules(pl_module)
         for path, target in self._config.export_paths(list(modules)).items():
@@ -113,7 +115,7 @@ class ORTCallback(Callback):
                 continue
             network = self._deployable(path, modules[path])
             if network is not None and trainer.is_global_zero:
-                _export(path, network, first, target)
+                _export(path, network, first, target, spec, modules[path].dynamic_axes)
         trainer.strategy.barrier("lightning_ort.export_onnx")
 
     def _deployable(self, path: str, wrapped: ORTModule) -> nn.Module | None:
@@ -203,16 +205,26 @@ class ORTCallback(Callback):
             )
 
 
-def _export(path: str, network: nn.Module, first: FirstCall, target: Path) -> None:
-    """Export ``network`` (at ``path`` in the LightningModule) to ``target``, its first call's inputs as example."""
+def _export(
+    path: str,
+    network: nn.Module,
+    first: FirstCall,
+    target: Path,
+    spec: ExportSpec,
+    dynamic_axes: Mapping[str, Sequence[int]],
+) -> None:
+    """Export ``network`` (at ``path`` in the LightningModule) to ``target`` as ``spec`` says, from its first call."""
     device = next(itertools.chain(network.parameters(), network.buffers()), torch.empty(0)).device
     args, kwargs = pytree.tree_map(
         lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, (first.args, first.kwargs)
     )
-    deployed = export_for_deployment(network, target, args, kwargs, dynamic_shapes="batch", check=True)
+    args, kwargs = spec.example(network, args, kwargs)
+    shapes = spec.shapes_for(kwargs, dynamic_axes)
+    deployed = export_for_deployment(network, target, args, kwargs, dynamic_shapes=shapes, check=spec.check)
     rank_zero_info(
         f"lightning_ort: exported `{path}` for deployment to {deployed.path}: inputs {deployed.inputs}, outputs "
-        f"{deployed.outputs}; checked against eager PyTorch (largest difference {deployed.max_error:.2e})"
+        f"{deployed.outputs}"
+        + ("" if deployed.max_error is None else f"; checked against eager PyTorch ({deployed.max_error:.2e} apart)")
     )
 
 

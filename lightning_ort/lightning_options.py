@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lightning_ort.deployment import ExportSpec, check_export_target
 from lightning_ort.options import (
     PROVIDERS_ACCEPTED,
     DebugOptions,
@@ -77,9 +78,12 @@ class ORTConfig:
             takes the names its ``forward`` has; a name no wrapped network takes is an error.
         export_onnx: at the end of ``fit``, write each wrapped network's inference model for deployment (see
             :meth:`~lightning_ort.ORTModule.export`): a ``.onnx`` file (one wrapped network; with several, each
-            file adds the network's path: ``model.net.onnx``) or a folder (``<folder>/<path>.onnx``). Rank zero
+            file adds the network's path: ``model.net.onnx``) or a folder (``<folder>/<path>.onnx``), or an
+            :class:`~lightning_ort.ExportSpec` that also chooses the inputs and the symbolic axes. Rank zero
             writes it from the trained weights (an ``"ort_fsdp"`` model is gathered first), with the network's
-            first inputs of the fit as the example, a symbolic batch axis, and the check against eager PyTorch.
+            first inputs of the fit, less ``labels``, as the example; the axes declared in ``dynamic_axes`` and
+            the batch axis are symbolic, and the file is checked against eager PyTorch. The path is checked for
+            write access at once.
         log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
         prog_bar: also show those metrics in the progress bar.
 
@@ -105,7 +109,7 @@ class ORTConfig:
     dynamic: bool | None = None
     blocks: Sequence[str] | str | None = "auto"
     dynamic_axes: dict[str, list[int]] | None = None
-    export_onnx: str | os.PathLike[str] | None = None
+    export_onnx: str | os.PathLike[str] | ExportSpec | None = None
     log_metrics: bool = True
     prog_bar: bool = False
     debug_options: DebugOptions = field(init=False, repr=False, compare=False)
@@ -117,7 +121,12 @@ class ORTConfig:
         require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
         require_type(self, "dynamic_axes", (dict, type(None)), "a dict of parameter names to axes, or None")
         refuse_static_with_dynamic_axes(self.dynamic, self.dynamic_axes)
-        require_type(self, "export_onnx", (str, os.PathLike, type(None)), "a .onnx file or a folder, or None")
+        require_type(
+            self,
+            "export_onnx",
+            (str, os.PathLike, ExportSpec, type(None)),
+            "a .onnx file or a folder, an ExportSpec, or None",
+        )
         if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
             raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)
         providers = _names(self.providers) or None
@@ -127,7 +136,7 @@ class ORTConfig:
             "log_level": parse_log_level(self.log_level),
             "fallback": parse_fallback(self.fallback),
             "blocks": self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
-            "export_onnx": Path(self.export_onnx) if self.export_onnx is not None else None,
+            "export_onnx": _export_spec(self.export_onnx),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -181,19 +190,35 @@ class ORTConfig:
             >>> ORTConfig(export_onnx="out").export_paths(["net"])
             {'net': PosixPath('out/net.onnx')}
         """
-        if self.export_onnx is None:
+        spec = self.export_spec
+        if spec is None:
             return {}
-        target = Path(self.export_onnx)
+        target = Path(spec.path)
         if target.suffix != ".onnx":
             return {name: target / f"{name}.onnx" for name in networks}
         if len(networks) == 1:
             return {networks[0]: target}
         return {name: target.with_name(f"{target.stem}.{name}.onnx") for name in networks}
 
+    @property
+    def export_spec(self) -> ExportSpec | None:
+        """``export_onnx`` as an :class:`~lightning_ort.ExportSpec` (a path becomes one with its defaults)."""
+        return self.export_onnx if isinstance(self.export_onnx, ExportSpec) else None
+
     def debug_options_for(self, path: str) -> DebugOptions:
         """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""
         prefix = f"{self.onnx_prefix}_{path}" if self.onnx_prefix else path
         return dataclasses.replace(self.debug_options, onnx_prefix=prefix)
+
+
+def _export_spec(target: str | os.PathLike[str] | ExportSpec | None) -> ExportSpec | None:
+    """``export_onnx`` as an :class:`ExportSpec` whose path is known writable: a file, or a folder (no suffix)."""
+    if target is None:
+        return None
+    spec = target if isinstance(target, ExportSpec) else ExportSpec(Path(target))
+    path = Path(spec.path)
+    check_export_target(path, "export_onnx", folder=path.suffix != ".onnx")
+    return dataclasses.replace(spec, path=path)
 
 
 def _names(values: Sequence[str] | str | None) -> tuple[str, ...] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,7 +67,7 @@ def test_the_trained_demo_model_runs_in_plain_onnx_runtime_with_its_named_input(
     assert deployed.inputs == {"ids": ("batch", 32)} and deployed.outputs == {"output": ("batch", 32, 96)}
     assert model.training, "the module's train mode is given back"
     assert deployed.max_error is not None and deployed.max_error < 1e-4
-    assert deployed.checked_shapes == (((4, 32),), ((8, 32),))
+    assert deployed.checked_shapes == (((4, 32),), ((8, 32),), ((1, 32),), ((2, 32),))
 
     proto = onnx.load(str(tmp_path / "tinylm.onnx"))
     onnx.checker.check_model(proto, full_check=True)
@@ -195,6 +196,7 @@ def test_a_fixed_axis_stays_static_by_default_and_fails_when_asked_to_be_symboli
     x = torch.randn(2, 4)
     deployed = export_for_deployment(make(), tmp_path / "f.onnx", (x,))
     assert deployed.inputs == {"x": (2, 4)} and deployed.checked_shapes == (((2, 4),),)
+    assert deployed.outputs == {"output": (2, 3)}
     with pytest.raises(ExportError, match=r"axis 0 of input `x` was asked to be symbolic \('rows'\).*fixes it to 2"):
         export_for_deployment(make(), tmp_path / "g.onnx", (x,), dynamic_shapes={"x": {0: "rows"}})
 
@@ -239,11 +241,14 @@ def test_the_check_refuses_a_file_that_differs_from_eager(tmp_path: Path) -> Non
     assert unchecked.max_error is None and unchecked.checked_shapes == ()
 
 
-def test_a_model_returning_a_cache_object_gets_advice(tmp_path: Path) -> None:
+def test_a_hugging_face_model_with_its_default_config_exports_without_its_cache(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
-    with pytest.raises(ExportError, match=r"GPT2LMHeadModel could not be exported.*use_cache=False"):
-        export_for_deployment(model, tmp_path / "c.onnx", kwargs={"input_ids": torch.randint(0, 100, (2, 5))})
+    assert model.config.use_cache
+    ids = torch.randint(0, 100, (2, 5))
+    deployed = export_for_deployment(model, tmp_path / "c.onnx", kwargs={"input_ids": ids})
+    assert deployed.outputs == {"logits": ("batch", 5, 100)}
+    assert model.config.use_cache, "the model's config is left as it was"
 
 
 def test_first_call_keeps_copies_of_the_first_arguments_only() -> None:
@@ -288,3 +293,132 @@ def test_block_graphs_do_not_reach_the_deployment_file(tmp_path: Path) -> None:
     (out,) = _run(deployed.path, src=x)
     torch.testing.assert_close(out, _eager(encoder, x), **TOLERANCE)
     assert len(marked_blocks(encoder)) == 3, "the blocks are marked again after the export"
+
+
+class BranchAbove4(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * 2 if x.shape[0] > 4 else self.linear(x) * 3
+
+
+@pytest.mark.parametrize("example_batch", [8, 2])
+def test_a_branch_on_the_batch_size_gives_a_file_that_is_right_or_refuses_the_input(
+    example_batch: int, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = BranchAbove4().eval()
+    deployed = export_for_deployment(model, tmp_path / "b.onnx", (torch.randn(example_batch, 4),))
+    assert deployed.inputs == {"x": (example_batch, 4)}, "the narrowed batch axis is static"
+    session = ort.InferenceSession(str(deployed.path), providers=["CPUExecutionProvider"])
+    for batch in (1, 2, 4, 5, 8):
+        x = torch.randn(batch, 4)
+        if batch != example_batch:
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                session.run(None, {"x": x.numpy()})
+            continue
+        (out,) = session.run(None, {"x": x.numpy()})
+        torch.testing.assert_close(torch.from_numpy(out), _eager(model, x), **TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "dynamic_shapes",
+    [{"x": {0: "batch"}}, ({0: torch.export.Dim("batch")},), {"x": (torch.export.Dim.DYNAMIC, None)}],
+    ids=["name", "Dim", "DYNAMIC"],
+)
+def test_a_narrowed_axis_asked_to_be_symbolic_names_the_guard_and_its_line(dynamic_shapes: Any, tmp_path: Path) -> None:
+    pattern = r"axis 0 of input `x` was asked to be symbolic .* narrows it to \[5, inf\].*guard `x.shape\[0\] > 4` at "
+    with pytest.raises(ExportError, match=pattern + re.escape(f"{Path(__file__)}:")):
+        export_for_deployment(
+            BranchAbove4().eval(), tmp_path / "b.onnx", (torch.randn(8, 4),), dynamic_shapes=dynamic_shapes
+        )
+    assert not (tmp_path / "b.onnx").exists()
+
+
+def test_a_declared_range_is_kept_and_checked_at_its_low_edge(tmp_path: Path) -> None:
+    model = BranchAbove4().eval()
+    spec = ({0: torch.export.Dim("batch", min=5)},)
+    deployed = export_for_deployment(model, tmp_path / "b.onnx", (torch.randn(8, 4),), dynamic_shapes=spec)
+    assert deployed.inputs == {"x": ("batch", 4)}
+    assert deployed.checked_shapes == (((8, 4),), ((16, 4),), ((5, 4),), ((6, 4),))
+
+
+class BranchAbove1(BranchAbove4):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * 2 if x.shape[0] > 1 else self.linear(x) * 3  # torch.export assumes sizes above 1
+
+
+def test_a_branch_at_the_range_edge_is_refused_by_the_check_and_leaves_no_file(tmp_path: Path) -> None:
+    with pytest.raises(
+        ExportError, match=r"differs from eager PyTorch .* on inputs of shapes \[\(1, 4\)\].*not written"
+    ):
+        export_for_deployment(BranchAbove1().eval(), tmp_path / "b.onnx", (torch.randn(8, 4),))
+    assert list(tmp_path.iterdir()) == [], "no file and no staging folder are left behind"
+
+
+def test_torch_export_dynamic_shapes_formats_are_accepted(tmp_path: Path) -> None:
+    x = torch.randn(2, 4)
+    batch = torch.export.Dim("rows")
+    named = export_for_deployment(Pair(), tmp_path / "a.onnx", (x,), dynamic_shapes=({0: batch},))
+    assert named.inputs == {"x": ("rows", 4)}
+    per_axis = export_for_deployment(Pair(), tmp_path / "b.onnx", (x,), dynamic_shapes={"x": (batch, None)})
+    assert per_axis.inputs == {"x": ("rows", 4)}
+    automatic = export_for_deployment(
+        Pair(), tmp_path / "c.onnx", (x,), dynamic_shapes={"x": {0: torch.export.Dim.AUTO}}
+    )
+    assert automatic.inputs == {"x": ("x_dim0", 4)}
+    static = export_for_deployment(
+        Pair(), tmp_path / "d.onnx", (x,), dynamic_shapes={"x": {0: torch.export.Dim.STATIC}}
+    )
+    assert static.inputs == {"x": (2, 4)}
+    with pytest.raises(ValueError, match=r"dynamic_shapes has 2 entries for 1 arguments"):
+        export_for_deployment(Pair(), tmp_path / "e.onnx", (x,), dynamic_shapes=({0: batch}, None))
+    with pytest.raises(ValueError, match=r"dynamic_shapes\['x'\] has 1 entries for a 2-d tensor"):
+        export_for_deployment(Pair(), tmp_path / "e.onnx", (x,), dynamic_shapes={"x": (batch,)})
+
+
+class PaddedEncoderLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)  # nested tensors on: eager eval takes the fast path
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=padding))
+
+
+def test_a_padded_example_through_a_transformer_encoder_is_compared_like_with_like(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = PaddedEncoderLM().eval()
+    ids = torch.randint(0, 50, (3, 10))
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[1, 6:] = padding[2, 3:] = True
+    deployed = export_for_deployment(model, tmp_path / "lm.onnx", (ids, padding))
+    assert deployed.max_error is not None and deployed.max_error < 1e-4
+    (out,) = _run(deployed.path, ids=ids, padding=padding)
+    with torch.no_grad():
+        fast = model(ids, padding)
+    kept = ~padding
+    torch.testing.assert_close(out[kept], fast[kept], **TOLERANCE)  # positions a user reads agree with the fast path
+
+
+@pytest.mark.parametrize(
+    ("target", "reason"),
+    [
+        ("/proc/nope/m.onnx", r"No such file or directory"),
+        ("/etc/hostname/m.onnx", r"/etc/hostname is a file, not a folder"),
+        ("/sys/m.onnx", r"ermission denied|Operation not permitted|Read-only"),
+    ],
+)
+def test_a_bad_path_fails_before_any_export(
+    target: str, reason: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: pytest.fail("exported before checking the path"))
+    with pytest.raises(ValueError, match=rf"path='{re.escape(target)}' cannot be written: .*({reason})"):
+        export_for_deployment(Pair(), target, (torch.randn(2, 4),))
+    with pytest.raises(ValueError, match=r"path='.*' is a folder; pass the path of the .onnx file"):
+        export_for_deployment(Pair(), tmp_path, (torch.randn(2, 4),))
