@@ -25,7 +25,7 @@ def main() -> None:
         max_steps=4 if args.fast else -1,
         limit_val_batches=1 if args.fast else None,
         enable_checkpointing=False,
-        callbacks=[ORTCallback(modules=["encoder"], prog_bar=True)],  # the one added line
+        callbacks=[ORTCallback(modules=["encoder"])],  # the one added line
     )
     model = LitTransformerLM()
     trainer.fit(model, SyntheticTokens())

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_ort.deployment import ExportSpec, FirstCall, export_for_deployment
 from lightning_ort.errors import ORTModuleError
 from lightning_ort.lightning_options import ORTConfig, ort_arguments
-from lightning_ort.metrics import ORTMetrics, summary_table, total_statistics
+from lightning_ort.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
 from lightning_ort.module import ORTModule, is_sharded, original_module
 from lightning_ort.wrapping import wrap_submodules, wrapped_submodules
 
@@ -192,7 +192,8 @@ class ORTCallback(Callback):
     def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
         if not self._config.log_metrics:
             return
-        values = self._metrics.to(pl_module.device).reduce(total_statistics(wrapped_submodules(pl_module)))
+        modules = wrapped_submodules(pl_module)
+        values = self._metrics.to(pl_module.device).reduce(total_statistics(modules), onnx_runtime_share(modules))
         for name, value in values.items():
             pl_module.log(
                 name,
@@ -201,7 +202,9 @@ class ORTCallback(Callback):
                 on_epoch=not on_step,
                 prog_bar=self._config.prog_bar,
                 batch_size=1,
-                sync_dist=False,
+                # The values are reduced over ranks already, so every rank logs the same: Lightning's epoch-level
+                # mean keeps them, and asking for it keeps Lightning from warning that they were not synced.
+                sync_dist=not on_step,
             )
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.export import Dim
 
 from lightning_ort.engine.blocks import blocks_unmarked
+from lightning_ort.engine.export import quiet_exporter
 from lightning_ort.errors import ExportError, first_line
 from lightning_ort.options import unwritable_reason
 
@@ -640,8 +641,7 @@ def _eager_on_doubled_axes(module: nn.Module, example: _Example, owner: str) -> 
 
 def _export(module: nn.Module, example: _Example, spec: Any, owner: str) -> torch.onnx.ONNXProgram:
     try:
-        with warnings.catch_warnings(), blocks_unmarked(module):
-            warnings.simplefilter("ignore")
+        with quiet_exporter(log.isEnabledFor(logging.DEBUG)), blocks_unmarked(module):
             program = torch.onnx.export(
                 module,
                 example.args,

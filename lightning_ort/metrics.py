@@ -19,9 +19,10 @@ Logged names and their cross-rank reduction:
   summed over submodules, then the **maximum** over ranks.
 * ``ort/block_reuses``: block instances that reused a block graph instead of exporting their own, **summed**
   over submodules and ranks.
-* ``ort/onnx_runtime_share``: the share of the captured graphs' ops that ONNX Runtime runs (1.0: all; the ops
-  of graphs that run entirely in PyTorch count as not run; 0 while no graph was captured), over all
-  submodules, then the **minimum** over ranks. Shown in the progress bar with ``prog_bar=True``.
+* ``ort/onnx_runtime_share``: the share of the work that ONNX Runtime runs (1.0: all), over the submodules
+  called so far, weighted by their parameters: each submodule's share of its captured graphs' ops, where the
+  ops of graphs that run entirely in PyTorch count as not run and a submodule of which nothing ran in ONNX
+  Runtime counts 0 (see :func:`onnx_runtime_share`); then the **minimum** over ranks.
 * ``ort/graph_breaks``: graph breaks (Python TorchDynamo could not trace, run in PyTorch between graphs),
   summed over submodules, then the **maximum** over ranks. ``0`` means each network is one graph.
 """
@@ -57,6 +58,31 @@ def total_statistics(modules: Mapping[str, ORTModule]) -> CacheStatistics:
     return CacheStatistics(
         **{field.name: sum(getattr(s, field.name) or 0 for s in stats) for field in dataclasses.fields(CacheStatistics)}
     )
+
+
+def onnx_runtime_share(modules: Mapping[str, ORTModule]) -> float:
+    """The share of the work of the called ``modules`` that ran in ONNX Runtime, weighted by their parameters.
+
+    A module's own share is that of its captured graphs' ops, or 0 where none of them ran in ONNX Runtime (a
+    module TorchDynamo captured nothing of runs all in PyTorch); modules never called are left out. 0 before
+    any call.
+
+    Example:
+        >>> from torch import nn
+        >>> dense, unused = ORTModule(nn.Linear(4, 4)), ORTModule(nn.Linear(4, 4))
+        >>> _ = dense(torch.randn(2, 4))
+        >>> onnx_runtime_share({"dense": dense, "unused": unused})
+        1.0
+    """
+    weighted = total = 0.0
+    for module in modules.values():
+        if not module.called:
+            continue
+        stats = module.statistics
+        size = float(sum(p.numel() for p in module.parameters()) or 1)
+        total += size
+        weighted += size * ((stats.onnx_runtime_share or 0.0) if stats.forward_runs else 0.0)
+    return weighted / total if total else 0.0
 
 
 _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -97,8 +123,9 @@ class ORTMetrics(Metric):
         self.add_state("rows", default=[], dist_reduce_fx="cat")
 
     @override
-    def update(self, stats: CacheStatistics) -> None:
-        """Add this rank's cumulative ``stats`` as a row."""
+    def update(self, stats: CacheStatistics, share: float | None = None) -> None:
+        """Add this rank's cumulative ``stats`` as a row; ``share`` is its ONNX Runtime share over its networks
+        (:func:`onnx_runtime_share`), or that of ``stats`` if ``None``."""
         local = {
             EXPORT_TIME: stats.export_seconds,
             CAPTURE_TIME: stats.capture_seconds,
@@ -108,7 +135,7 @@ class ORTMetrics(Metric):
             BLOCK_GRAPHS: stats.block_graphs,
             BLOCK_REUSES: stats.block_reuses,
             GRAPH_BREAKS: stats.graph_breaks or 0,
-            ONNX_RUNTIME_SHARE: stats.onnx_runtime_share or 0.0,  # 0 while nothing ran in ONNX Runtime
+            ONNX_RUNTIME_SHARE: share if share is not None else stats.onnx_runtime_share or 0.0,
         }
         row = [float(local[name]) for name in _REDUCTIONS]
         self.rows.append(torch.tensor([row], dtype=torch.float64, device=self.device))
@@ -119,18 +146,18 @@ class ORTMetrics(Metric):
         rows = dim_zero_cat(self.rows)
         return {name: reduce(rows[:, i]).float() for i, (name, reduce) in enumerate(_REDUCTIONS.items())}
 
-    def reduce(self, stats: CacheStatistics) -> dict[str, torch.Tensor]:
-        """This rank's cumulative ``stats`` reduced over all ranks (a collective)."""
+    def reduce(self, stats: CacheStatistics, share: float | None = None) -> dict[str, torch.Tensor]:
+        """This rank's cumulative ``stats`` and ``share`` (see :meth:`update`) reduced over all ranks (a collective)."""
         self.reset()
-        self.update(stats)
+        self.update(stats, share)
         return self.compute()
 
 
 def summary_table(modules: Mapping[str, ORTModule]) -> str:
     """A small table of what was wrapped: path, class, parameters, where it ran, providers, graphs, build time.
 
-    "ran in" is ``ONNX Runtime``, ``ONNX Runtime + PyTorch`` (ops, graphs or code between graphs in PyTorch), or
-    ``PyTorch`` for a module of which nothing ran in ONNX Runtime.
+    "ran in" is ``ONNX Runtime``, ``ONNX Runtime + PyTorch`` (ops, graphs or code between graphs in PyTorch),
+    ``PyTorch`` for a module of which nothing ran in ONNX Runtime, or ``not called``.
     """
     header = ("module", "class", "params", "ran in", "providers", "graphs", "PyTorch ops", "build s")
     rows = [header]
@@ -141,7 +168,7 @@ def summary_table(modules: Mapping[str, ORTModule]) -> str:
                 path,
                 type(original_module(module)).__name__,
                 f"{sum(p.numel() for p in module.parameters()):,}",
-                ran_in(stats),
+                ran_in(stats) if module.called else "not called",
                 ",".join(p.removesuffix("ExecutionProvider") for p in module.providers) or "-",
                 str(stats.cached_graphs),
                 str(stats.fallback_ops),

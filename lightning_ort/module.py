@@ -55,6 +55,7 @@ _OWN_STATE = frozenset(
         "_blocks",
         "_calls",
         "_building_calls",
+        "_called",
         "_backend",
         "_compiled",
         "forward",
@@ -167,6 +168,7 @@ class ORTModule(nn.Module):
         mark_blocks(module, block_classes)
         self._calls = 0
         self._building_calls = 0
+        self._called = False
         self._compile()
         self._expose_forward()
         configure_logger(LogLevel(debug.log_level))
@@ -214,6 +216,11 @@ class ORTModule(nn.Module):
     def statistics(self) -> CacheStatistics:
         """Build time, graphs and graph breaks, calls that built graphs or reused them, and ONNX Runtime runs."""
         return self._backend.statistics((self._calls - self._building_calls, self._building_calls))
+
+    @property
+    def called(self) -> bool:
+        """Whether ``forward`` has run since this ORTModule was made (or unpickled)."""
+        return self._called
 
     @property
     def providers(self) -> list[str]:
@@ -320,6 +327,7 @@ class ORTModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
         graphs = self._backend.build_log.counts.graphs
+        self._called = True
         if self._dynamic_axes is not None:
             self._dynamic_axes.mark(args, kwargs)
         try:
@@ -330,6 +338,7 @@ class ORTModule(nn.Module):
                     type(self._original_module).__name__,
                     self.fallback,
                     self._backend.warned,
+                    self._frames,
                 ),
             ):
                 output = self._compiled(self._original_module, *args, **kwargs)
@@ -341,6 +350,15 @@ class ORTModule(nn.Module):
         if self._backend.build_log.counts.graphs != graphs:
             self._building_calls += 1
         return output
+
+    @property
+    def _frames(self) -> tuple[types.CodeType, types.CodeType] | None:
+        """The code of the compiled entry point and of the wrapped module's ``forward``, as TorchDynamo sees them."""
+        entry = getattr(self._compiled, "__wrapped__", None)
+        forward = getattr(type(self._original_module).forward, "__code__", None)
+        if entry is None or forward is None:
+            return None
+        return entry.__code__, forward
 
     def _drop_uncaptured_block(self, error: UncapturedHigherOrderOpError) -> None:
         """Capture the block class TorchDynamo could not capture whole with the model's graph from now on.
@@ -508,6 +526,7 @@ class ORTModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__["_calls"] = self.__dict__["_building_calls"] = 0
+        self.__dict__["_called"] = False
         self._compile()
         self._expose_forward()
 

@@ -82,6 +82,27 @@ def test_graph_break_runs_both_sides_in_onnx_runtime(sign: float) -> None:
     assert stats.eager_signatures == 0
 
 
+class OneItem(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        return self.linear(hidden) * hidden.sum().item()
+
+
+def test_a_graph_break_is_counted_once_as_torchdynamo_counts_it_for_the_module_alone() -> None:
+    counters = torch._dynamo.utils.counters["graph_break"]
+    before = sum(counters.values())
+    torch.compile(OneItem(), backend="eager")(torch.randn(3, 4))
+    alone = sum(counters.values()) - before
+    wrapped = ORTModule(OneItem())
+    with pytest.warns(FallbackWarning, match="graph break"):
+        wrapped(torch.randn(3, 4)).sum().backward()
+    assert wrapped.statistics.graph_breaks == alone == 1
+
+
 def test_graph_break_raises_with_file_and_line_under_fallback_raise() -> None:
     wrapped = ORTModule(BranchOnValue(), fallback="raise")
     before = [p.detach().clone() for p in wrapped.parameters()]

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from lightning_ort.engine.torch_internals import (
     BackendCompilerFailed,
     Unsupported,
     UserError,
+    compiled_versions,
     counters,
     dynamo_config,
     recompile_reason,
@@ -309,11 +311,16 @@ class DynamoEvents:
     Each warning is issued once per model (``warned`` keeps the ones issued), and TorchDynamo's own log lines
     about graph breaks are folded into it while the call runs, unless ``TORCH_LOGS`` asks for ``graph_breaks``.
 
+    A compiled entry point that calls the model (``ORTModule``'s) breaks at that call when the model's forward
+    breaks, and TorchDynamo may count the same break again when it compiles the forward on its own; given the
+    two code objects as ``frames``, the count leaves that second one out, as ``torch._dynamo.explain`` does.
+
     Args:
         build_log: where graph breaks and recompile-limit hits are counted.
         owner: the model's name, for messages.
         fallback: the model's fallback policy.
         warned: the warnings already issued for this model (updated).
+        frames: the compiled entry point's code and the model forward's code, or ``None``.
 
     Example:
         >>> backend = ORTBackend()
@@ -324,11 +331,20 @@ class DynamoEvents:
         True
     """
 
-    def __init__(self, build_log: BuildLog, owner: str, fallback: Fallback, warned: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        build_log: BuildLog,
+        owner: str,
+        fallback: Fallback,
+        warned: set[str] | None = None,
+        frames: tuple[types.CodeType, types.CodeType] | None = None,
+    ) -> None:
         self._log = build_log
         self._owner = owner
         self._fallback = fallback
         self._warned = warned if warned is not None else set()
+        self._codes = frames
+        self._versions: tuple[int | None, ...] = ()
         self._frames = 0
         self._breaks: dict[str, int] = {}
         self._fastpath = True
@@ -337,6 +353,7 @@ class DynamoEvents:
     def __enter__(self) -> DynamoEvents:
         self._frames = counters["frames"]["total"]
         self._breaks = dict(counters["graph_break"])
+        self._versions = tuple(compiled_versions(code) for code in self._codes or ())
         _LIMIT_FILTER.hits.clear()
         _LIMIT_FILTER.active = True
         _BREAK_LOGS.active = True
@@ -367,10 +384,13 @@ class DynamoEvents:
         for message in PENDING_WARNINGS.messages:
             self._warn(message)
         PENDING_WARNINGS.messages.clear()
+        repeated = self._breaks_counted_twice()
         for reason, count in counters["graph_break"].items():
             new = count - self._breaks.get(reason, 0)
             if new > 0:
-                self._log.add(graph_breaks=new)
+                once = max(new - repeated, 1)  # TorchDynamo counts some breaks at the entry point only
+                repeated -= new - once
+                self._log.add(graph_breaks=once)
                 rest = (
                     "the graphs on both sides run in ONNX Runtime"
                     if self._log.counts.graphs
@@ -390,6 +410,20 @@ class DynamoEvents:
                 "it as a tensor, construct the module with dynamic=True, or raise the limit."
             )
         _LIMIT_FILTER.hits.clear()
+
+    def _breaks_counted_twice(self) -> int:
+        """Breaks of this call TorchDynamo counted at the entry point's call of the forward as well as inside it.
+
+        The entry point broke where the forward was compiled on its own in this call: each of its new versions
+        stopped at that call.
+        """
+        if self._codes is None:
+            return 0
+        after = tuple(compiled_versions(code) for code in self._codes)
+        if None in after or None in self._versions:
+            return 0
+        entry, forward = (int(a or 0) - int(b or 0) for a, b in zip(after, self._versions))
+        return entry if forward > 0 else 0
 
     def _warn(self, message: str) -> None:
         """Issue ``message`` as a :class:`FallbackWarning` unless this model already had it."""

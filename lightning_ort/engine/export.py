@@ -44,6 +44,7 @@ from lightning_ort.engine.onnx_passes import (
     collapse_reshapes,
     compute_bfloat16_in_float,
     dequantize_scaled_masks,
+    drop_unused_initializers,
     fuse_transposed_operands,
     nchwc_block_size,
     simplify,
@@ -142,12 +143,13 @@ def export_graph(
     blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
     masks = dequantize_scaled_masks(model) if on_cpu else 0
     row_sums = sum_rows_by_product(model) if on_cpu else 0
-    reshapes = collapse_reshapes(model)  # last: the passes above add reshapes too
+    reshapes = collapse_reshapes(model)  # the passes above add reshapes too
+    unused = drop_unused_initializers(model)  # last: the passes above leave constants behind
     log.debug(
         "exported %s graph: %d nodes (%d bfloat16 ops computed in float32, %d reshapes removed, "
         "%d biases split from Gemm, "
         "%d transposed matmul operands fused, %d convolutions on NCHWc kernels, %d masks scaled by "
-        "DequantizeLinear, %d row sums as products), "
+        "DequantizeLinear, %d row sums as products, %d unused initializers dropped), "
         "%d inputs, %d outputs",
         name,
         len(model.graph.node),
@@ -158,6 +160,7 @@ def export_graph(
         blocked,
         masks,
         row_sums,
+        unused,
         len(inputs),
         len(outputs),
     )

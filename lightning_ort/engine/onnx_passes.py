@@ -618,6 +618,44 @@ class _Value:
         return sizes if len(sizes) == len(self.dims) else None
 
 
+def drop_unused_initializers(model: onnx.ModelProto) -> int:
+    """Drop the initializers no node reads (the rewrites above leave shape constants behind), in place.
+
+    ONNX Runtime drops them too, with a warning per initializer each time it loads the graph. Reads inside
+    subgraphs count.
+
+    Example:
+        >>> graph = helper.make_graph(
+        ...     [helper.make_node("Identity", ["x"], ["y"])],
+        ...     "g",
+        ...     [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        ...     [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        ...     [numpy_helper.from_array(np.zeros(1, np.int64), "unused")],
+        ... )
+        >>> model = helper.make_model(graph)
+        >>> drop_unused_initializers(model), len(model.graph.initializer)
+        (1, 0)
+    """
+    graph = model.graph
+    read = _read_names(list(graph.node), graph) | _subgraph_reads(graph)
+    kept = [init for init in graph.initializer if init.name in read]
+    dropped = len(graph.initializer) - len(kept)
+    if dropped:
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return dropped
+
+
+def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names the subgraphs of ``graph``'s nodes (``If``, ``Loop``, ``Scan`` bodies) read, at any depth."""
+    names: set[str] = set()
+    for node in graph.node:
+        for attribute in node.attribute:
+            for body in [*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])]:
+                names |= _read_names(list(body.node), body) | _subgraph_reads(body)
+    return names
+
+
 def _read_names(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> set[str]:
     """Names that ``nodes`` read or that ``graph`` outputs: what must stay defined after a rewrite."""
     return {name for node in nodes for name in node.input} | {output.name for output in graph.output}

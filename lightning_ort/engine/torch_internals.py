@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -170,3 +171,20 @@ def exporter_steps() -> ExporterSteps | None:
 
 
 EXPORTER_STEPS = exporter_steps()
+
+
+def compiled_versions(code: types.CodeType) -> int | None:
+    """How many compiled versions TorchDynamo holds for ``code``, or ``None`` on a torch without the count.
+
+    Example:
+        >>> compiled_versions(compiled_versions.__code__)
+        0
+    """
+    if _CACHE_ENTRIES is None:
+        return None
+    return len(_CACHE_ENTRIES(code))
+
+
+_CACHE_ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
+    importlib.import_module("torch._dynamo.eval_frame"), "_debug_get_cache_entry_list", None
+)

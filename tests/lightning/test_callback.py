@@ -15,7 +15,7 @@ import torch
 from lightning_ort import ExportError, FallbackWarning, ORTCallback, ORTModule
 from lightning_ort.callback import _check_precision
 from lightning_ort.engine.backend import CacheStatistics
-from lightning_ort.metrics import ORTMetrics
+from lightning_ort.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
 from tests.custom_ops import CustomOpMLP
 from tests.lightning.models import LateHeadLM, TinyTransformerLM
 
@@ -71,9 +71,9 @@ def test_metrics_are_reduced_on_the_steps_lightning_logs_and_at_epoch_end(
     reductions: list[int] = []
     reduce = ORTMetrics.reduce
 
-    def counted(self: ORTMetrics, stats: Any) -> dict[str, torch.Tensor]:
+    def counted(self: ORTMetrics, stats: Any, share: float | None = None) -> dict[str, torch.Tensor]:
         reductions.append(self.rows[0].numel() if self.rows else 0)
-        return reduce(self, stats)
+        return reduce(self, stats, share)
 
     monkeypatch.setattr(ORTMetrics, "reduce", counted)
     model = TinyTransformerLM()
@@ -256,3 +256,32 @@ def test_fallback_ops_metric_and_cache_dir_through_the_callback(tmp_path: Path) 
 
 def _trainer_metrics(model: pl.LightningModule) -> dict[str, Any]:
     return dict(model.trainer.callback_metrics)
+
+
+class RunsInPyTorch(torch.nn.Linear):
+    """A network TorchDynamo captures nothing of: all of it runs in PyTorch."""
+
+    @torch._dynamo.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_the_onnx_runtime_share_counts_a_network_in_pytorch_and_leaves_out_one_never_called() -> None:
+    dense, in_pytorch, unused = (
+        ORTModule(torch.nn.Linear(8, 8)),
+        ORTModule(RunsInPyTorch(8, 8)),
+        ORTModule(torch.nn.Linear(8, 8)),
+    )
+    x = torch.randn(2, 8)
+    in_pytorch(dense(x)).sum().backward()
+    assert dense.statistics.forward_runs == 1 and in_pytorch.statistics.forward_runs == 0
+    assert onnx_runtime_share({"dense": dense, "unused": unused}) == 1.0
+    assert onnx_runtime_share({"dense": dense, "in_pytorch": in_pytorch, "unused": unused}) == 0.5
+    values = ORTMetrics().reduce(total_statistics({"dense": dense, "in_pytorch": in_pytorch}), 0.5)
+    assert float(values["ort/onnx_runtime_share"]) == 0.5
+    rows = {
+        line.split()[0]: line
+        for line in summary_table({"dense": dense, "in_pytorch": in_pytorch, "unused": unused}).splitlines()
+    }
+    assert "ONNX Runtime" in rows["dense"] and "PyTorch" in rows["in_pytorch"] and "ONNX" not in rows["in_pytorch"]
+    assert "not called" in rows["unused"]
