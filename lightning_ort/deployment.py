@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import os
 import re
+import sys
 import tempfile
 import traceback
 import warnings
@@ -33,7 +35,7 @@ from torch.export import Dim
 
 from lightning_ort.engine.blocks import blocks_unmarked
 from lightning_ort.engine.export import quiet_exporter
-from lightning_ort.errors import ExportError, first_line
+from lightning_ort.errors import ExportError, first_line, innermost_line
 from lightning_ort.options import unwritable_reason
 
 log = logging.getLogger(__name__)
@@ -640,8 +642,17 @@ def _eager_on_doubled_axes(module: nn.Module, example: _Example, owner: str) -> 
 
 
 def _export(module: nn.Module, example: _Example, spec: Any, owner: str) -> torch.onnx.ONNXProgram:
+    """``torch.onnx.export`` of ``module`` on ``example``; its output is kept off the console unless DEBUG logs.
+
+    ``torch.export`` prints the partial graph of a failed trace to stderr; the error names the line instead.
+    """
+    verbose = log.isEnabledFor(logging.DEBUG)
     try:
-        with quiet_exporter(log.isEnabledFor(logging.DEBUG)), blocks_unmarked(module):
+        with (
+            quiet_exporter(verbose),
+            contextlib.redirect_stderr(sys.stderr if verbose else io.StringIO()),
+            blocks_unmarked(module),
+        ):
             program = torch.onnx.export(
                 module,
                 example.args,
@@ -652,10 +663,12 @@ def _export(module: nn.Module, example: _Example, spec: Any, owner: str) -> torc
                 verbose=False,
             )
     except Exception as error:  # torch.export and the exporter raise many types
+        where = innermost_line(str(_root(error)))
         raise ExportError(
-            f"{owner} could not be exported to ONNX for deployment: {first_line(_root(error))}. The outputs must be "
-            "tensors, or lists, tuples and dicts of them (a Hugging Face model needs use_cache=False among the "
-            "example arguments); control flow must not depend on tensor values."
+            f"{owner} could not be exported to ONNX for deployment: {first_line(_root(error))}"
+            + (f", at {where}" if where else "")
+            + ". The outputs must be tensors, or lists, tuples and dicts of them; control flow must not depend on "
+            "tensor values (express the branch with torch.where, or export the branch you deploy)."
         ) from error
     assert program is not None
     return program

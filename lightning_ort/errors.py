@@ -146,14 +146,19 @@ def node_origin(node: torch.fx.Node) -> str:
         path = _BLOCK_ARGUMENT.sub("", _DYNAMO_ROOT.sub("", path)) or "."
         type_name = getattr(module_type, "__name__", str(module_type))
         return f"module `{path}` ({type_name})"
-    return _innermost_line(node.meta.get("stack_trace") or "")
+    return innermost_line(node.meta.get("stack_trace") or "")
 
 
 _FILE_LINE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
-def _innermost_line(trace: str) -> str:
+def innermost_line(trace: str) -> str:
     """``file:line (`code`)`` of a formatted stack trace's innermost frame ("" if it has none).
+
+    Example:
+        >>> innermost_line('Traceback:\n  File "m.py", line 3, in forward\n    if x.sum() > 0:')
+        'm.py:3 (`if x.sum() > 0:`)'
+
 
     Python 3.11 underlines the failing expression with a line of ``^`` and ``~``, which is not the code.
     """

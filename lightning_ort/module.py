@@ -333,13 +333,7 @@ class ORTModule(nn.Module):
         try:
             with (
                 tracing_settings(),
-                DynamoEvents(
-                    self._backend.build_log,
-                    type(self._original_module).__name__,
-                    self.fallback,
-                    self._backend.warned,
-                    self._frames,
-                ),
+                DynamoEvents(self._backend, type(self._original_module).__name__, self.fallback),
             ):
                 output = self._compiled(self._original_module, *args, **kwargs)
         except UncapturedHigherOrderOpError as error:
@@ -350,15 +344,6 @@ class ORTModule(nn.Module):
         if self._backend.build_log.counts.graphs != graphs:
             self._building_calls += 1
         return output
-
-    @property
-    def _frames(self) -> tuple[types.CodeType, types.CodeType] | None:
-        """The code of the compiled entry point and of the wrapped module's ``forward``, as TorchDynamo sees them."""
-        entry = getattr(self._compiled, "__wrapped__", None)
-        forward = getattr(type(self._original_module).forward, "__code__", None)
-        if entry is None or forward is None:
-            return None
-        return entry.__code__, forward
 
     def _drop_uncaptured_block(self, error: UncapturedHigherOrderOpError) -> None:
         """Capture the block class TorchDynamo could not capture whole with the model's graph from now on.

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import threading
-import types
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +32,9 @@ from lightning_ort.engine.torch_internals import (
     BackendCompilerFailed,
     Unsupported,
     UserError,
-    compiled_versions,
     counters,
     dynamo_config,
+    graph_break_reasons,
     recompile_reason,
 )
 from lightning_ort.errors import CaptureError, FallbackWarning, first_line, user_frame, warn
@@ -115,6 +115,7 @@ class ORTBackend:
         self._options = options if options is not None else BuildOptions()
         self._owner = owner
         self._warned: set[str] = set()
+        self._break_sites: set[tuple[tuple[str, int, int | None], ...]] = set()
         self._log = BuildLog()
         self._graphs: list[CapturedGraph] = []
         self._blocks = BlockGraphs()
@@ -129,6 +130,11 @@ class ORTBackend:
     def warned(self) -> set[str]:
         """The fallback warnings already issued for this backend's model (each is issued once)."""
         return self._warned
+
+    @property
+    def break_sites(self) -> set[tuple[tuple[str, int, int | None], ...]]:
+        """The places this backend's model broke at so far: (file, line, column) of each frame of the stack."""
+        return self._break_sites
 
     @property
     def build_log(self) -> BuildLog:
@@ -303,57 +309,49 @@ def tracing_settings() -> contextlib.AbstractContextManager[None]:
 class DynamoEvents:
     """One call through TorchDynamo: its graph breaks and recompile-limit hits become warnings and statistics.
 
-    TorchDynamo reports graph breaks in its counters and recompile-limit hits in its log, not to the backend;
-    this context manager reads both around a call that compiled anything. Under ``fallback="raise"`` the model is
-    compiled with ``fullgraph=True`` and TorchDynamo's refusal becomes a :class:`CaptureError` naming the file and
-    line. An error raised in the backend reaches the caller as itself, not wrapped by TorchDynamo.
+    TorchDynamo records graph breaks (with the user stack that led to each) and reports recompile-limit hits in
+    its log, not to the backend; this context manager reads both around a call that compiled anything. Under
+    ``fallback="raise"`` the model is compiled with ``fullgraph=True`` and TorchDynamo's refusal becomes a
+    :class:`CaptureError` naming the file and line. An error raised in the backend reaches the caller as itself,
+    not wrapped by TorchDynamo.
 
-    Each warning is issued once per model (``warned`` keeps the ones issued), and TorchDynamo's own log lines
-    about graph breaks are folded into it while the call runs, unless ``TORCH_LOGS`` asks for ``graph_breaks``.
-
-    A compiled entry point that calls the model (``ORTModule``'s) breaks at that call when the model's forward
-    breaks, and TorchDynamo may count the same break again when it compiles the forward on its own; given the
-    two code objects as ``frames``, the count leaves that second one out, as ``torch._dynamo.explain`` does.
+    A graph break is counted once per place in the code (file, line and column of each frame of its stack,
+    lightning_ort's own frames left out), as ``torch._dynamo.explain`` counts it: a compiled entry point that
+    calls the model (``ORTModule``'s) breaks at that call when the forward breaks, and TorchDynamo records the
+    same break again when it compiles the forward on its own. Each warning is issued once per model, and
+    TorchDynamo's own log lines about graph breaks are folded into it while the call runs, unless ``TORCH_LOGS``
+    asks for ``graph_breaks``.
 
     Args:
-        build_log: where graph breaks and recompile-limit hits are counted.
+        backend: the model's backend: its build log counts graph breaks and recompile-limit hits, and it keeps
+            the warnings issued and the places that broke.
         owner: the model's name, for messages.
         fallback: the model's fallback policy.
-        warned: the warnings already issued for this model (updated).
-        frames: the compiled entry point's code and the model forward's code, or ``None``.
 
     Example:
         >>> backend = ORTBackend()
         >>> model = torch.compile(torch.nn.Linear(4, 2), backend=backend)
-        >>> with DynamoEvents(backend.build_log, "Linear", "auto") as events:
+        >>> with DynamoEvents(backend, "Linear", "auto") as events:
         ...     _ = model(torch.randn(3, 4))
         >>> events.compiled
         True
     """
 
-    def __init__(
-        self,
-        build_log: BuildLog,
-        owner: str,
-        fallback: Fallback,
-        warned: set[str] | None = None,
-        frames: tuple[types.CodeType, types.CodeType] | None = None,
-    ) -> None:
-        self._log = build_log
+    def __init__(self, backend: ORTBackend, owner: str, fallback: Fallback) -> None:
+        self._backend = backend
+        self._log = backend.build_log
         self._owner = owner
         self._fallback = fallback
-        self._warned = warned if warned is not None else set()
-        self._codes = frames
-        self._versions: tuple[int | None, ...] = ()
         self._frames = 0
         self._breaks: dict[str, int] = {}
+        self._recorded = 0
         self._fastpath = True
         self.compiled = False
 
     def __enter__(self) -> DynamoEvents:
         self._frames = counters["frames"]["total"]
         self._breaks = dict(counters["graph_break"])
-        self._versions = tuple(compiled_versions(code) for code in self._codes or ())
+        self._recorded = len(graph_break_reasons() or ())
         _LIMIT_FILTER.hits.clear()
         _LIMIT_FILTER.active = True
         _BREAK_LOGS.active = True
@@ -374,33 +372,30 @@ class DynamoEvents:
             raise error.inner_exception from None
         if isinstance(error, (Unsupported, UserError)) and self._fallback == "raise":
             reason = first_line(getattr(error, "msg", error))
+            stack = list(getattr(error, "real_stack", None) or [])
             raise CaptureError(
                 f"{self._owner}: TorchDynamo cannot capture its forward as one graph at {user_frame(error)}: "
-                f"{reason}. {break_advice(reason)} Or pass fallback='auto' to run that code in PyTorch between "
-                "ONNX Runtime graphs."
+                f"{reason}. {break_advice(reason, stack)} Or pass fallback='auto' to run that code in PyTorch "
+                "between ONNX Runtime graphs."
             ) from error
         if not self.compiled:
             return
         for message in PENDING_WARNINGS.messages:
             self._warn(message)
         PENDING_WARNINGS.messages.clear()
-        repeated = self._breaks_counted_twice()
-        for reason, count in counters["graph_break"].items():
-            new = count - self._breaks.get(reason, 0)
-            if new > 0:
-                once = max(new - repeated, 1)  # TorchDynamo counts some breaks at the entry point only
-                repeated -= new - once
-                self._log.add(graph_breaks=once)
-                rest = (
-                    "the graphs on both sides run in ONNX Runtime"
-                    if self._log.counts.graphs
-                    else "TorchDynamo captured no graph, so nothing of it runs in ONNX Runtime"
-                )
-                self._warn(
-                    f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
-                    f"{first_line(reason)}. That code runs in PyTorch; {rest}. {break_advice(reason)} Run with "
-                    "TORCH_LOGS=graph_breaks to see where; pass fallback='raise' to make this an error."
-                )
+        for reason, stack in self._new_breaks():
+            self._log.add(graph_breaks=1)
+            rest = (
+                "the graphs on both sides run in ONNX Runtime"
+                if self._log.counts.graphs
+                else "TorchDynamo captured no graph, so nothing of it runs in ONNX Runtime"
+            )
+            where = f", at {_frame_line(stack[-1])}" if stack else ""
+            self._warn(
+                f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
+                f"{first_line(reason)}{where}. That code runs in PyTorch; {rest}. {break_advice(reason, stack)} "
+                "Pass fallback='raise' to make this an error."
+            )
         for limit, value, function, reason in _LIMIT_FILTER.hits:
             self._log.add(recompile_limit_hits=1)
             self._warn(
@@ -411,34 +406,69 @@ class DynamoEvents:
             )
         _LIMIT_FILTER.hits.clear()
 
-    def _breaks_counted_twice(self) -> int:
-        """Breaks of this call TorchDynamo counted at the entry point's call of the forward as well as inside it.
-
-        The entry point broke where the forward was compiled on its own in this call: each of its new versions
-        stopped at that call.
-        """
-        if self._codes is None:
-            return 0
-        after = tuple(compiled_versions(code) for code in self._codes)
-        if None in after or None in self._versions:
-            return 0
-        entry, forward = (int(a or 0) - int(b or 0) for a, b in zip(after, self._versions))
-        return entry if forward > 0 else 0
+    def _new_breaks(self) -> list[tuple[str, list[traceback.FrameSummary]]]:
+        """The graph breaks of this call at places the model had not broken before: reason and user stack."""
+        recorded = graph_break_reasons()
+        if recorded is None:  # a torch without the record: each new count of a reason, without its place
+            return [
+                (reason, [])
+                for reason, count in counters["graph_break"].items()
+                for _ in range(count - self._breaks.get(reason, 0))
+            ]
+        own = os.path.dirname(os.path.dirname(__file__)) + os.sep
+        found = []
+        for entry in recorded[self._recorded if len(recorded) >= self._recorded else 0 :]:
+            stack = [frame for frame in entry.user_stack if not frame.filename.startswith(own)]
+            site = tuple((frame.filename, frame.lineno, getattr(frame, "colno", None)) for frame in stack)
+            if site in self._backend.break_sites:
+                continue
+            self._backend.break_sites.add(site)
+            found.append((str(entry.reason), stack))
+        return found
 
     def _warn(self, message: str) -> None:
         """Issue ``message`` as a :class:`FallbackWarning` unless this model already had it."""
-        if message not in self._warned:
-            self._warned.add(message)
+        if message not in self._backend.warned:
+            self._backend.warned.add(message)
             warn(message, FallbackWarning)
 
 
-def break_advice(reason: str) -> str:
-    """What to do about a graph break, by its cause as TorchDynamo words it.
+def _frame_line(frame: traceback.FrameSummary) -> str:
+    """``file:line (`code`)`` of ``frame``."""
+    code = (frame.line or "").strip()
+    return f"{frame.filename}:{frame.lineno}" + (f" (`{code}`)" if code else "")
+
+
+_LIBRARY_REMEDIES = {
+    "_detect_is_causal_mask": (
+        "nn.Transformer compares the mask it is given with a causal mask it builds, to find out whether the mask "
+        "is causal: pass is_causal=True (src_is_causal, tgt_is_causal, memory_is_causal) together with a causal "
+        "mask, and it does not compare."
+    ),
+}
+"""What a user can do about a graph break inside torch's or a library's own code, by the function it is in."""
+
+
+def break_advice(reason: str, stack: Sequence[traceback.FrameSummary] = ()) -> str:
+    """What to do about a graph break, by its cause as TorchDynamo words it and by where it happened.
+
+    A break inside torch's or another installed library's code is not the user's to move: the advice then names
+    the library function and the call in the model that reached it.
 
     Example:
         >>> break_advice("Attempted to wrap sparse Tensor").split(":")[0]
         'A sparse tensor reached the model'
     """
+    if stack and _in_library(stack[-1].filename):
+        remedy = _LIBRARY_REMEDIES.get(stack[-1].name)
+        if remedy is not None:
+            return remedy
+        caller = next((frame for frame in reversed(stack) if not _in_library(frame.filename)), stack[0])
+        return (
+            f"The break is inside library code ({stack[-1].name} at {_frame_line(stack[-1])}), reached from "
+            f"{_frame_line(caller)}: the arguments passed there decide whether it breaks (look for an option of that "
+            "library that avoids the Python branch); otherwise that code runs correctly in PyTorch."
+        )
     lowered = reason.lower()
     if "sparse" in lowered:
         return (
@@ -453,6 +483,12 @@ def break_advice(reason: str) -> str:
     if any(cue in lowered for cue in ("unsupported", "not supported", "attempted to call", "cannot")):
         return "TorchDynamo cannot trace that call or argument type: move that code outside the wrapped module."
     return "Move that code outside the wrapped module if it should not run in PyTorch."
+
+
+def _in_library(filename: str) -> bool:
+    """Whether ``filename`` is torch's or an installed package's code, not the user's."""
+    torch_folder = os.path.dirname(torch.__file__) + os.sep
+    return filename.startswith(torch_folder) or any(part in filename for part in ("site-packages", "dist-packages"))
 
 
 class _CallFilter(logging.Filter):

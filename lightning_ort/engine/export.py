@@ -374,7 +374,7 @@ def quiet_exporter(verbose: bool) -> Iterator[None]:
             logger.setLevel(level)
 
 
-_EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")
+_EXPORTER_LOGGERS = ("torch.onnx", "torch.export", "torch.fx.experimental.symbolic_shapes", "onnxscript", "onnx_ir")
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:

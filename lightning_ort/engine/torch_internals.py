@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -173,18 +172,11 @@ def exporter_steps() -> ExporterSteps | None:
 EXPORTER_STEPS = exporter_steps()
 
 
-def compiled_versions(code: types.CodeType) -> int | None:
-    """How many compiled versions TorchDynamo holds for ``code``, or ``None`` on a torch without the count.
+def graph_break_reasons() -> list[Any] | None:
+    """TorchDynamo's record of the graph breaks it hit, oldest first, or ``None`` on a torch without it.
 
-    Example:
-        >>> compiled_versions(compiled_versions.__code__)
-        0
+    Each entry has the break's ``reason`` and the ``user_stack`` (``traceback.FrameSummary``s) that led to it;
+    ``torch._dynamo.explain`` reads the same record. ``torch._dynamo.reset()`` empties it.
     """
-    if _CACHE_ENTRIES is None:
-        return None
-    return len(_CACHE_ENTRIES(code))
-
-
-_CACHE_ENTRIES: Callable[[types.CodeType], list[Any]] | None = getattr(
-    importlib.import_module("torch._dynamo.eval_frame"), "_debug_get_cache_entry_list", None
-)
+    reasons = getattr(importlib.import_module("torch._dynamo.utils"), "graph_break_reasons", None)
+    return reasons if isinstance(reasons, list) else None
