@@ -281,15 +281,16 @@ class ORTModule(nn.Module):
         ``output_0``...), and no ONNX Runtime optimization specific to this machine is in it. The module is
         exported in eval mode (dropout off, batch norm's running statistics) and gets its mode back. With
         ``check`` the file is loaded into a fresh CPU ``onnxruntime.InferenceSession`` and compared with eager
-        PyTorch on the example, and again with each of its symbolic axes doubled. See
-        :func:`lightning_ort.deployment.export_for_deployment`.
+        PyTorch on the example, with its symbolic axes doubled and at sizes 1 and 2; a file that fails is not
+        written. See :func:`lightning_ort.deployment.export_for_deployment`.
 
         Args:
-            path: the ``.onnx`` file to write.
+            path: the ``.onnx`` file to write; checked before any work.
             *example_args: example positional arguments of ``forward`` (one batch).
             dynamic_shapes: ``"batch"`` (default): axis 0 of the inputs that share the first input's batch size is
                 symbolic where the model allows; ``None``: all axes static; or ``{parameter: {axis: name}}``
-                (``{"input_ids": {0: "batch", 1: "sequence"}}``).
+                (``{"input_ids": {0: "batch", 1: "sequence"}}``), or ``torch.export``'s format
+                (``torch.export.Dim`` objects, tuples in argument order).
             check: compare the file's outputs with eager PyTorch's (raises :class:`~lightning_ort.ExportError`
                 where they differ).
             external_data: weights in a separate file: ``None`` (default) above 2 GB.
@@ -298,7 +299,9 @@ class ORTModule(nn.Module):
         Raises:
             ORTModuleError: the module's parameters are sharded (FSDP); the ``"ort_fsdp"`` strategy's
                 ``export_onnx`` gathers them first.
-            ExportError: the export failed, or the file's outputs differ from eager PyTorch's.
+            ExportError: the export failed, an axis asked to be symbolic is narrowed by the model, or the file's
+                outputs differ from eager PyTorch's.
+            ValueError: ``path`` cannot be written.
 
         Example:
             >>> import tempfile
