@@ -25,9 +25,9 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
 
 from lightning_ort.deployment import DeployedModel, ExportSpec, export_for_deployment
-from lightning_ort.engine.backend import CacheStatistics, ORTBackend
-from lightning_ort.engine.build import BuildCounts
-from lightning_ort.engine.profiling import KernelProfile, OpTime, read_profiles
+from lightning_ort.engine.capture.backend import CacheStatistics, ORTBackend
+from lightning_ort.engine.capture.build import BuildCounts
+from lightning_ort.engine.runtime.profiling import KernelProfile, OpTime, read_profiles
 from lightning_ort.errors import (
     BlockError,
     CaptureError,
@@ -38,17 +38,17 @@ from lightning_ort.errors import (
     ORTModuleError,
     SessionError,
 )
-from lightning_ort.lightning_options import ORTConfig
+from lightning_ort.lightning.config import ORTConfig
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, OptimizationLevel, SessionSettings
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 _LIGHTNING_PARTS = {
-    "ORTCallback": "lightning_ort.callback",
-    "ORTDDPStrategy": "lightning_ort.strategies",
-    "ORTFSDPStrategy": "lightning_ort.strategies",
-    "ORTSingleDeviceStrategy": "lightning_ort.strategies",
+    "ORTCallback": "lightning_ort.lightning.callback",
+    "ORTDDPStrategy": "lightning_ort.lightning.strategies",
+    "ORTFSDPStrategy": "lightning_ort.lightning.strategies",
+    "ORTSingleDeviceStrategy": "lightning_ort.lightning.strategies",
 }
 """Names that import Lightning, imported on first use."""
 
@@ -90,8 +90,8 @@ class _RegisterWithLightning(importlib.abc.MetaPathFinder, importlib.abc.Loader)
 def _register() -> None:
     """Import the strategies, which register themselves (once one of our modules importing Lightning finishes,
     if one started the import of ``lightning.pytorch``)."""
-    if "lightning_ort.strategies" not in sys.modules:
-        importlib.import_module("lightning_ort.strategies")
+    if "lightning_ort.lightning.strategies" not in sys.modules:
+        importlib.import_module("lightning_ort.lightning.strategies")
 
 
 if "lightning.pytorch" in sys.modules:

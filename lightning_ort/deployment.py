@@ -33,8 +33,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
 
-from lightning_ort.engine.blocks import blocks_unmarked
-from lightning_ort.engine.export import quiet_exporter
+from lightning_ort.engine.capture.blocks import blocks_unmarked
+from lightning_ort.engine.onnx.export import quiet_exporter
 from lightning_ort.errors import ExportError, first_line, innermost_line
 from lightning_ort.options import unwritable_reason
 

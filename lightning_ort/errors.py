@@ -156,7 +156,7 @@ def innermost_line(trace: str) -> str:
     """``file:line (`code`)`` of a formatted stack trace's innermost frame ("" if it has none).
 
     Example:
-        >>> innermost_line('Traceback:\n  File "m.py", line 3, in forward\n    if x.sum() > 0:')
+        >>> innermost_line('Traceback:\\n  File "m.py", line 3, in forward\\n    if x.sum() > 0:')
         'm.py:3 (`if x.sum() > 0:`)'
 
 

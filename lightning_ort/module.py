@@ -19,8 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ort.deployment import DeployedModel, DynamicShapes, export_for_deployment
-from lightning_ort.engine.backend import CacheStatistics, DynamoEvents, ORTBackend, tracing_settings
-from lightning_ort.engine.blocks import (
+from lightning_ort.engine.capture.backend import CacheStatistics, DynamoEvents, ORTBackend, tracing_settings
+from lightning_ort.engine.capture.blocks import (
     BlockSpec,
     mark_blocks,
     marked_blocks,
@@ -28,9 +28,9 @@ from lightning_ort.engine.blocks import (
     uncaptured_block,
     unmark_class,
 )
-from lightning_ort.engine.build import BuildOptions
-from lightning_ort.engine.disk_cache import DiskCache
-from lightning_ort.engine.profiling import KernelProfile, read_profiles
+from lightning_ort.engine.capture.build import BuildOptions
+from lightning_ort.engine.runtime.disk_cache import DiskCache
+from lightning_ort.engine.runtime.profiling import KernelProfile, read_profiles
 from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.options import (

@@ -2,7 +2,7 @@
 with the checks of their values and the logger and output-folder helpers they use.
 
 The Lightning strategies and callback take the same options, plus their own, through
-:class:`~lightning_ort.ORTConfig` (:mod:`lightning_ort.lightning_options`).
+:class:`~lightning_ort.ORTConfig` (:mod:`lightning_ort.lightning.config`).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class SessionSettings:
         release_torch_threads: on CPU, make PyTorch's idle OpenMP worker threads stop busy-waiting before each
             ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads. PyTorch's next
             parallel operator starts them again, so graphs whose last run took under 1 ms run without it.
-            See :mod:`lightning_ort.engine.openmp`.
+            See :mod:`lightning_ort.engine.runtime.openmp`.
 
     Example:
         >>> SessionSettings(optimization_level="extended").graph_optimization_level.name

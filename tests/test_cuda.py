@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_ort.engine.session as session_module
+import lightning_ort.engine.runtime.session as session_module
 from lightning_ort import ORTModule
 from tests.helpers import assert_grads_close, assert_outputs_close, clone_inputs, weighted_loss
 from tests.zoo import CASES, Case, CausalLM

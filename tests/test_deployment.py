@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_ort import ExportError, ORTModule
 from lightning_ort.deployment import FirstCall, export_for_deployment
-from lightning_ort.engine.blocks import marked_blocks
+from lightning_ort.engine.capture.blocks import marked_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}

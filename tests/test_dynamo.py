@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_ort import CaptureError, FallbackWarning, ORTModule
-from lightning_ort.engine.session import GraphSession
+from lightning_ort.engine.runtime.session import GraphSession
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE
 
 

@@ -95,7 +95,7 @@ def _broken_run(*args: object) -> None:
 def test_a_failure_inside_our_own_export_code_runs_the_graph_in_pytorch_and_names_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import lightning_ort.engine.build as build
+    import lightning_ort.engine.capture.build as build
 
     def broken_export(*args: object, **kwargs: object) -> None:
         raise KeyError("val")

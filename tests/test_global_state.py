@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_ort import ORTModule
-from lightning_ort.engine.backend import ort
+from lightning_ort.engine.capture.backend import ort
 from tests.helpers import assert_grads_close, weighted_loss
 from tests.zoo import MLP
 from tests.zoo.architectures import LSTMTagger
@@ -109,7 +109,7 @@ def test_first_use_initialisers_run_once_under_threads() -> None:
 
 
 def test_held_back_warnings_belong_to_their_thread() -> None:
-    from lightning_ort.engine.build import PENDING_WARNINGS
+    from lightning_ort.engine.capture.build import PENDING_WARNINGS
 
     seen: list[bool] = []
     PENDING_WARNINGS.collecting = True

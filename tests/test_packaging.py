@@ -103,7 +103,7 @@ def test_the_lightning_parts_load_first_and_still_register() -> None:
 def test_a_failed_registration_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_ort.strategies import ORTFSDPStrategy, register_strategies
+    from lightning_ort.lightning.strategies import ORTFSDPStrategy, register_strategies
 
     names = ("ort", "ort_ddp", "ort_ddp_spawn", "ort_fsdp")
     for name in names:

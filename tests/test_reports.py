@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_ort import CaptureError, FallbackWarning, ORTModule
-from lightning_ort.metrics import ran_in, summary_table
+from lightning_ort.lightning.metrics import ran_in, summary_table
 from tests.zoo import MLP
 
 

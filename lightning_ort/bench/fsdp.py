@@ -5,7 +5,7 @@ per rank) trains on N processes (gloo on CPU, NCCL on CUDA) in three runtimes, w
 processes:
 PyTorch DDP, plain FSDP2 (``fully_shard`` per block, then the model) and the ``ort_fsdp`` arrangement (the model
 in an :class:`~lightning_ort.ORTModule` with block graphs, sharded by
-:func:`~lightning_ort.strategies.shard_network`). Each rank's parameter and AdamW state bytes show what
+:func:`~lightning_ort.lightning.strategies.shard_network`). Each rank's parameter and AdamW state bytes show what
 sharding saves; the median steps give ``ort_fsdp``'s ratio to plain FSDP.
 """
 
@@ -71,8 +71,8 @@ def _rank(rank: int, ranks: int, port: int, layers: int, width: int, steps: int,
 
     from lightning_ort.bench.depth import gpt2_model
     from lightning_ort.bench.workloads import hugging_face_step
+    from lightning_ort.lightning.strategies import shard_network
     from lightning_ort.module import ORTModule
-    from lightning_ort.strategies import shard_network
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")

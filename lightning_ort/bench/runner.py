@@ -48,7 +48,7 @@ from lightning_ort.bench.fsdp import FsdpResult, format_fsdp_report, run_fsdp_st
 from lightning_ort.bench.shapes import ShapeRun, format_shapes_report, run_shapes_study
 from lightning_ort.bench.shapes import probe as shapes_probe
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
-from lightning_ort.engine.profiling import KernelProfile
+from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
 from lightning_ort.options import DebugOptions
 

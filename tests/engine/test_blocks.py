@@ -15,8 +15,8 @@ from torch.torch_version import TorchVersion
 from typing_extensions import override
 
 from lightning_ort import BlockError, ExportError, FallbackWarning, ORTModule
-from lightning_ort.engine.blocks import marked_blocks, repeated_classes, resolve_blocks
-from lightning_ort.engine.capture import CapturedGraph
+from lightning_ort.engine.capture.aot import CapturedGraph
+from lightning_ort.engine.capture.blocks import marked_blocks, repeated_classes, resolve_blocks
 from tests.helpers import assert_grads_close, assert_outputs_close, weighted_loss
 
 
@@ -99,7 +99,7 @@ def test_blocks_that_update_buffers_are_inlined_into_one_graph(caplog: pytest.Lo
     eager = Deep(depth=3)
     eager.layers = nn.ModuleList(CountingBlock(16) for _ in range(3))
     blocked = ORTModule(copy.deepcopy(eager), blocks="auto")
-    with caplog.at_level(logging.INFO, logger="lightning_ort.engine.capture"):
+    with caplog.at_level(logging.INFO, logger="lightning_ort.engine.capture.aot"):
         for model in (eager, blocked):
             weighted_loss(model(*_batch())).backward()
     assert "capturing it with the blocks inlined" in caplog.text
@@ -240,7 +240,7 @@ def test_an_unknown_block_name_lists_the_repeated_classes_and_changes_nothing() 
 
 
 def test_a_model_without_repeated_blocks_is_one_graph(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lightning_ort.engine.blocks"):
+    with caplog.at_level(logging.INFO, logger="lightning_ort.engine.capture.blocks"):
         assert resolve_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "auto") == []
     assert "no block repeated within a container" in caplog.text
     model = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), blocks="auto")

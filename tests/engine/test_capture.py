@@ -1,4 +1,4 @@
-"""The capture step (``engine/capture.py``): AOTAutograd tracing and the forward/backward partition."""
+"""The capture step (``engine/capture/aot.py``): AOTAutograd tracing and the forward/backward partition."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine import decompositions
-from lightning_ort.engine.decompositions import (
+from lightning_ort.engine.fx import decompositions
+from lightning_ort.engine.fx.decompositions import (
     batch_norm_backward,
     batch_norm_functional,
     capture_decompositions,
@@ -22,7 +22,7 @@ from lightning_ort.engine.decompositions import (
     max_pool2d_with_indices_backward,
     threshold_backward,
 )
-from lightning_ort.engine.replacements import dropout, multi_head_attention
+from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
 
 aten = torch.ops.aten
 

@@ -126,7 +126,7 @@ def test_failed_write_leaves_no_temporary_file_and_training_continues(
 
 
 def test_another_vector_width_misses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_ort.engine import disk_cache
+    from lightning_ort.engine.runtime import disk_cache
 
     x = torch.randn(3, 16)
     first = _train_once(tmp_path, x)
@@ -142,7 +142,7 @@ def test_another_vector_width_misses_the_cache(tmp_path: Path, monkeypatch: pyte
 def test_changed_package_source_or_provider_options_miss_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightning_ort.engine import disk_cache
+    from lightning_ort.engine.runtime import disk_cache
 
     x = torch.randn(3, 16)
     _train_once(tmp_path, x)
@@ -160,7 +160,7 @@ def test_changed_package_source_or_provider_options_miss_the_cache(
 def test_size_expressions_round_trip_without_evaluating_text() -> None:
     import sympy
 
-    from lightning_ort.engine.disk_cache import _size_from_json, _size_to_json
+    from lightning_ort.engine.runtime.disk_cache import _size_from_json, _size_to_json
     from lightning_ort.engine.torch_internals import FloorDiv
 
     s0, s1 = sympy.Symbol("s0"), sympy.Symbol("s1")

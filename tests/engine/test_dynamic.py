@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_ort.engine.build as build_module
+import lightning_ort.engine.capture.build as build_module
 from lightning_ort import DebugOptions, ExportError, FallbackWarning, ORTModule
 from tests.helpers import GRAD_TOLERANCE, OUTPUT_TOLERANCE
 from tests.zoo import MLP, CausalLM

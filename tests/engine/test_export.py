@@ -11,9 +11,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.onnx._internal.exporter._registration import ONNXRegistry
 
 from lightning_ort import ORTModule
-from lightning_ort.engine.decompositions import capture_decompositions
-from lightning_ort.engine.export import export_graph, onnx_registry
-from lightning_ort.engine.noise import Noise
+from lightning_ort.engine.fx.decompositions import capture_decompositions
+from lightning_ort.engine.fx.noise import Noise
+from lightning_ort.engine.onnx.export import export_graph, onnx_registry
 
 CPU = torch.device("cpu")
 

@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine.onnx_passes import (
+from lightning_ort.engine.onnx.passes import (
     DISABLED_ORT_OPTIMIZERS,
     collapse_reshapes,
     compute_bfloat16_in_float,

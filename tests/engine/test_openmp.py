@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lightning_ort.engine.openmp import release_openmp_threads
+from lightning_ort.engine.runtime.openmp import release_openmp_threads
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
 

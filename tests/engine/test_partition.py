@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-import lightning_ort.engine.build as build_module
+import lightning_ort.engine.capture.build as build_module
 from lightning_ort import CaptureError, ExportError, FallbackWarning, ORTModule
 from lightning_ort.errors import SessionError
 from tests.custom_ops import CustomOpMLP, DataDependentBranch

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_ort.engine.session as session_module
+import lightning_ort.engine.runtime.session as session_module
 from lightning_ort import ORTModule, SessionSettings
-from lightning_ort.engine.dynamic import evaluate
-from lightning_ort.engine.export import ExportedGraph
-from lightning_ort.engine.layout import OutputLayout, PassedInput, ReshapedOutput
-from lightning_ort.engine.noise import Noise
+from lightning_ort.engine.fx.dynamic import evaluate
+from lightning_ort.engine.fx.layout import OutputLayout, PassedInput, ReshapedOutput
+from lightning_ort.engine.fx.noise import Noise
+from lightning_ort.engine.onnx.export import ExportedGraph
 from tests.zoo import MLP
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lightning_ort import ExportError, FallbackWarning, ORTCallback, ORTModule
-from lightning_ort.callback import _check_precision
-from lightning_ort.engine.backend import CacheStatistics
-from lightning_ort.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
+from lightning_ort.engine.capture.backend import CacheStatistics
+from lightning_ort.lightning.callback import _check_precision
+from lightning_ort.lightning.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
 from tests.custom_ops import CustomOpMLP
 from tests.lightning.models import LateHeadLM, TinyTransformerLM
 

@@ -9,8 +9,8 @@ import pytest
 from torch import nn
 
 from lightning_ort import ORTCallback, ORTDDPStrategy, ORTFSDPStrategy, ORTModule, ORTSingleDeviceStrategy
-from lightning_ort.lightning_options import ORTConfig
-from lightning_ort.wrapping import default_module_names, wrap_submodules
+from lightning_ort.lightning.config import ORTConfig
+from lightning_ort.lightning.wrapping import default_module_names, wrap_submodules
 from tests.lightning.models import TinyTransformerLM
 
 

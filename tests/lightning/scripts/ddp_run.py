@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_ort
-from lightning_ort.wrapping import wrapped_submodules
+from lightning_ort.lightning.wrapping import wrapped_submodules
 from tests.lightning.models import TinyTransformerLM
 
 

@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 import lightning_ort
-from lightning_ort.engine.session import GraphSession
-from lightning_ort.wrapping import wrapped_submodules
+from lightning_ort.engine.runtime.session import GraphSession
+from lightning_ort.lightning.wrapping import wrapped_submodules
 from tests.lightning.models import token_dataset
 from tests.lightning.scripts import ddp_run
 

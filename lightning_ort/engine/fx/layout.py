@@ -16,7 +16,7 @@ import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.dynamic import Size, evaluate, symbolic_shape, symbolic_size
+from lightning_ort.engine.fx.dynamic import Size, evaluate, symbolic_shape, symbolic_size
 from lightning_ort.errors import ExportError
 
 aten = torch.ops.aten

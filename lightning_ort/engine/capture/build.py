@@ -1,9 +1,9 @@
 """Build: one ATen graph (a forward, backward or inference graph) becomes what runs it in ONNX Runtime.
 
-:class:`GraphBuilder` turns each graph AOTAutograd hands to :class:`~lightning_ort.engine.capture.CapturedGraph`
-into a :class:`~lightning_ort.engine.session.GraphSession`: loaded from the disk cache or exported to ONNX
-(:mod:`lightning_ort.engine.export`), then opened in ONNX Runtime. A graph with ops ONNX Runtime cannot run,
-or with block calls, becomes a :class:`~lightning_ort.engine.partition.PartitionedGraph` instead: those ops in
+:class:`GraphBuilder` turns each graph AOTAutograd hands to :class:`~lightning_ort.engine.capture.aot.CapturedGraph`
+into a :class:`~lightning_ort.engine.runtime.session.GraphSession`: loaded from the disk cache or exported to ONNX
+(:mod:`lightning_ort.engine.onnx.export`), then opened in ONNX Runtime. A graph with ops ONNX Runtime cannot run,
+or with block calls, becomes a :class:`~lightning_ort.engine.capture.partition.PartitionedGraph` instead: those ops in
 PyTorch, the rest in ONNX Runtime partitions. When an export or a session fails without naming its op, the op
 is found by bisection. :class:`BuildLog` adds up what building cost (:class:`BuildCounts`).
 """
@@ -24,17 +24,17 @@ from typing import Any
 import torch
 import torch.fx
 
-from lightning_ort.engine.blocks import BlockCall, BlockGraphs
-from lightning_ort.engine.disk_cache import DiskCache
-from lightning_ort.engine.export import ExportedGraph, export_graph
-from lightning_ort.engine.partition import (
+from lightning_ort.engine.capture.blocks import BlockCall, BlockGraphs
+from lightning_ort.engine.capture.partition import (
     PartitionCall,
     PartitionedGraph,
     describe_ops,
     split_graph,
     unsupported_nodes,
 )
-from lightning_ort.engine.session import GraphSession, providers_for
+from lightning_ort.engine.onnx.export import ExportedGraph, export_graph
+from lightning_ort.engine.runtime.disk_cache import DiskCache
+from lightning_ort.engine.runtime.session import GraphSession, providers_for
 from lightning_ort.errors import ExportError, FallbackWarning, LightningORTError, SessionError, first_line, warn
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
 
@@ -385,7 +385,7 @@ def warn_fallback(message: str) -> None:
     """Warn that part of a model runs in PyTorch; while :data:`PENDING_WARNINGS` collects, only record it.
 
     Graphs are built deep inside TorchDynamo, where no ``stacklevel`` reaches the user's code;
-    :class:`~lightning_ort.engine.backend.DynamoEvents` collects the messages and warns from the user's call.
+    :class:`~lightning_ort.engine.capture.backend.DynamoEvents` collects the messages and warns from the user's call.
     """
     if PENDING_WARNINGS.collecting:
         PENDING_WARNINGS.messages.append(message)

@@ -189,7 +189,7 @@ def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     A view costs nothing in PyTorch, so AOTAutograd saves transposed views (attention's ``q``, ``k`` and
     probabilities, reshaped for batched products); ONNX Runtime writes each as a transposed copy. Permuted in
     the backward graph, the transpose folds into the product that reads it (``FusedMatMul(transB=1)``, see
-    :mod:`lightning_ort.engine.onnx_passes`) or stays one copy, made when it is needed.
+    :mod:`lightning_ort.engine.onnx.passes`) or stays one copy, made when it is needed.
 
     Only chains of ``permute``/``view`` with constant arguments are moved. The forward graph keeps its number
     of outputs (AOTAutograd counts them); a moved output's backward placeholder receives the base tensor.

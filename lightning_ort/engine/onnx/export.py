@@ -2,16 +2,16 @@
 
 Three steps, in :func:`export_graph`:
 
-1. :func:`~lightning_ort.engine.noise.lift_random_ops` replaces random ops (``rand_like``, ``bernoulli``...)
+1. :func:`~lightning_ort.engine.fx.noise.lift_random_ops` replaces random ops (``rand_like``, ``bernoulli``...)
    by extra graph inputs, so the noise comes from PyTorch's generator: ``torch.manual_seed`` keeps governing
    reproducibility.
-2. :func:`~lightning_ort.engine.layout.normalise_outputs` keeps only tensor outputs, once each (ONNX drops
-   ``None`` gradients and needs unique output names); :class:`~lightning_ort.engine.layout.OutputLayout` maps
+2. :func:`~lightning_ort.engine.fx.layout.normalise_outputs` keeps only tensor outputs, once each (ONNX drops
+   ``None`` gradients and needs unique output names); :class:`~lightning_ort.engine.fx.layout.OutputLayout` maps
    them back to the FX graph's output positions. Outputs ONNX Runtime would only copy are produced in PyTorch
    instead: inputs returned as they are (parameters, dropout masks saved for backward) and reshapes of saved
    tensors, replayed as views.
 3. ``torch.onnx.export(..., dynamo=True)`` translates the graph (a failure names the op and the module), and
-   :func:`~lightning_ort.engine.onnx_passes.simplify` folds its constants. The exporter's table of ONNX
+   :func:`~lightning_ort.engine.onnx.passes.simplify` folds its constants. The exporter's table of ONNX
    translations (:func:`onnx_registry`) is built once per process, and its decomposition pass runs only for
    graphs with ops it has no translation for (:func:`_translate`).
 """
@@ -35,12 +35,12 @@ import torch
 import torch.fx
 from torch.onnx import ONNXProgram
 
-from lightning_ort.engine.dynamic import Symbols, is_symbolic, symbolic_dims
-from lightning_ort.engine.fx_passes import placeholders_first
-from lightning_ort.engine.layout import OutputLayout, OutputSpec, normalise_outputs
-from lightning_ort.engine.noise import Noise, lift_random_ops
+from lightning_ort.engine.fx.dynamic import Symbols, is_symbolic, symbolic_dims
+from lightning_ort.engine.fx.layout import OutputLayout, OutputSpec, normalise_outputs
+from lightning_ort.engine.fx.noise import Noise, lift_random_ops
+from lightning_ort.engine.fx.passes import placeholders_first
 from lightning_ort.engine.once import Once
-from lightning_ort.engine.onnx_passes import (
+from lightning_ort.engine.onnx.passes import (
     collapse_reshapes,
     compute_bfloat16_in_float,
     dequantize_scaled_masks,

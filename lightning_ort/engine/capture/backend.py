@@ -4,7 +4,7 @@
 ``torch.compile(model, backend="ort")`` uses through :func:`ort` (registered under the ``torch_dynamo_backends``
 entry point). TorchDynamo does what a front end must: it runs the Python between graphs (graph breaks), guards
 each graph on what it assumed (shapes, dtypes, ``self.training``, Python constants) and recompiles when a guard
-fails. Each graph it hands over becomes a :class:`~lightning_ort.engine.capture.CapturedGraph`.
+fails. Each graph it hands over becomes a :class:`~lightning_ort.engine.capture.aot.CapturedGraph`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import torch
 import torch.fx
 from typing_extensions import override
 
-from lightning_ort.engine.blocks import BlockGraphs
-from lightning_ort.engine.build import PENDING_WARNINGS, BuildCounts, BuildLog, BuildOptions, GraphRunner
-from lightning_ort.engine.capture import CapturedGraph, GraphNames
-from lightning_ort.engine.disk_cache import DiskCache
+from lightning_ort.engine.capture.aot import CapturedGraph, GraphNames
+from lightning_ort.engine.capture.blocks import BlockGraphs
+from lightning_ort.engine.capture.build import PENDING_WARNINGS, BuildCounts, BuildLog, BuildOptions, GraphRunner
+from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.torch_internals import (
     TRACES_RECURRENT_LAYERS,
     BackendCompilerFailed,
@@ -261,7 +261,7 @@ ort = EntryPoint()
 
 
 def backend_options(options: Mapping[str, Any]) -> BuildOptions:
-    """:class:`~lightning_ort.engine.build.BuildOptions` from ``torch.compile``'s ``options`` mapping.
+    """:class:`~lightning_ort.engine.capture.build.BuildOptions` from ``torch.compile``'s ``options`` mapping.
 
     Example:
         >>> backend_options({"save_onnx": False, "intra_op_num_threads": 2}).settings.intra_op_num_threads

@@ -29,12 +29,12 @@ import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.dynamic import Size
-from lightning_ort.engine.export import ExportedGraph
-from lightning_ort.engine.layout import OutputLayout, OutputSpec, PassedInput, ReshapedOutput, Source
-from lightning_ort.engine.noise import Noise
+from lightning_ort.engine.fx.dynamic import Size
+from lightning_ort.engine.fx.layout import OutputLayout, OutputSpec, PassedInput, ReshapedOutput, Source
+from lightning_ort.engine.fx.noise import Noise
 from lightning_ort.engine.once import Once
-from lightning_ort.engine.onnx_passes import nchwc_block_size
+from lightning_ort.engine.onnx.export import ExportedGraph
+from lightning_ort.engine.onnx.passes import nchwc_block_size
 from lightning_ort.engine.torch_internals import SIZE_FUNCTIONS, FloorDiv
 from lightning_ort.errors import DiskCacheWarning, warn
 from lightning_ort.options import unwritable_reason

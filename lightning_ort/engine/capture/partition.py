@@ -20,11 +20,11 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from lightning_ort.engine.blocks import BlockCall
-from lightning_ort.engine.export import copy_graph_module, onnx_registry
+from lightning_ort.engine.capture.blocks import BlockCall
+from lightning_ort.engine.fx.replacements import DROPOUT_KEEP
 from lightning_ort.engine.once import Once
-from lightning_ort.engine.replacements import DROPOUT_KEEP
-from lightning_ort.engine.session import GraphSession
+from lightning_ort.engine.onnx.export import copy_graph_module, onnx_registry
+from lightning_ort.engine.runtime.session import GraphSession
 from lightning_ort.engine.torch_internals import EXPORTER_STEPS, FakeTensor, HigherOrderOperator, OpOverload
 from lightning_ort.errors import node_origin
 
@@ -37,7 +37,7 @@ def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     Ops the ONNX exporter neither translates nor decomposes; ops on complex tensors (the exporter stores them
     as real tensors with a trailing axis of 2, which ONNX Runtime's kernels and our session I/O do not
     share: results would come back misshapen). ``bfloat16`` ops on CPU are not among them: the exported graph
-    computes them in float32 (:func:`~lightning_ort.engine.onnx_passes.compute_bfloat16_in_float`).
+    computes them in float32 (:func:`~lightning_ort.engine.onnx.passes.compute_bfloat16_in_float`).
     """
     covered = _onnx_coverage()
     reasons: dict[str, str] = {}
@@ -175,7 +175,7 @@ class PartitionCall(torch.nn.Module):
 class PartitionedGraph:
     """Runs a split graph: ONNX Runtime sessions for the partitions, PyTorch for the rest.
 
-    Called like a :class:`~lightning_ort.engine.session.GraphSession` (AOTAutograd's boxed convention).
+    Called like a :class:`~lightning_ort.engine.runtime.session.GraphSession` (AOTAutograd's boxed convention).
 
     Args:
         gm: the split graph, its partitions already replaced by :class:`PartitionCall` modules.

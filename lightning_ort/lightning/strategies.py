@@ -40,12 +40,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_ort import callback  # a module, not its class: importing Lightning may start here from callback
-from lightning_ort.engine.blocks import mark_blocks, unmark_blocks
+from lightning_ort.engine.capture.blocks import mark_blocks, unmark_blocks
 from lightning_ort.errors import FallbackWarning
-from lightning_ort.lightning_options import ORTConfig, ort_arguments
+from lightning_ort.lightning import (
+    callback,  # a module, not its class: importing Lightning may start here from callback
+)
+from lightning_ort.lightning.config import ORTConfig, ort_arguments
+from lightning_ort.lightning.wrapping import wrapped_submodules
 from lightning_ort.module import ORTModule, original_module
-from lightning_ort.wrapping import wrapped_submodules
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +380,7 @@ def unsharded_copy(network: ORTModule) -> nn.Module:
     assigns the gathered weights to them.
 
     Example:
-        >>> from lightning_ort.engine.blocks import marked_blocks
+        >>> from lightning_ort.engine.capture.blocks import marked_blocks
         >>> network = ORTModule(nn.Sequential(*(nn.TransformerEncoderLayer(8, 2) for _ in range(2))), blocks="auto")
         >>> plain = unsharded_copy(network)
         >>> type(plain).__name__, marked_blocks(plain)

@@ -23,7 +23,7 @@ Core ATen decompositions, plus:
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
 
 Replacements of ``torch.nn.functional`` calls (attention, dropout) are in
-:mod:`lightning_ort.engine.replacements`.
+:mod:`lightning_ort.engine.fx.replacements`.
 """
 
 from __future__ import annotations
@@ -590,7 +590,7 @@ def log_ndtr(x: torch.Tensor) -> torch.Tensor:
 def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
 
-    ``select_backward`` stays whole so that :mod:`lightning_ort.engine.fx_passes` can turn sums of them into
+    ``select_backward`` stays whole so that :mod:`lightning_ort.engine.fx.passes` can turn sums of them into
     one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` replaces ATen's
     exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel is not slower than a ``Mul``. The batch
     norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`) are CPU only too: they pay on CPU,

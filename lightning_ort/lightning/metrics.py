@@ -38,7 +38,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 from typing_extensions import override
 
-from lightning_ort.engine.backend import CacheStatistics
+from lightning_ort.engine.capture.backend import CacheStatistics
 from lightning_ort.module import ORTModule, original_module
 
 EXPORT_TIME = "ort/export_time_s"

@@ -26,12 +26,12 @@ import sympy
 import torch
 from onnxruntime.capi import _pybind_state as ort_c
 
-from lightning_ort.engine.dynamic import evaluate
-from lightning_ort.engine.export import ExportedGraph, save_model
-from lightning_ort.engine.layout import OutputSpec
+from lightning_ort.engine.fx.dynamic import evaluate
+from lightning_ort.engine.fx.layout import OutputSpec
 from lightning_ort.engine.once import Once
-from lightning_ort.engine.onnx_passes import DISABLED_ORT_OPTIMIZERS
-from lightning_ort.engine.openmp import release_openmp_threads
+from lightning_ort.engine.onnx.export import ExportedGraph, save_model
+from lightning_ort.engine.onnx.passes import DISABLED_ORT_OPTIMIZERS
+from lightning_ort.engine.runtime.openmp import release_openmp_threads
 from lightning_ort.errors import SessionError
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
 

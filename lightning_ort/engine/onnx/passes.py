@@ -347,7 +347,7 @@ def dequantize_scaled_masks(model: onnx.ModelProto) -> int:
     ``DequantizeLinear(mask, scale)``, in place.
 
     Dropout's saved one-byte keep mask is scaled this way in the forward and in the backward graph
-    (:func:`lightning_ort.engine.replacements.dropout`). ONNX Runtime's CPU ``DequantizeLinear`` is vectorised
+    (:func:`lightning_ort.engine.fx.replacements.dropout`). ONNX Runtime's CPU ``DequantizeLinear`` is vectorised
     and about twice as fast as its ``Cast`` from ``uint8`` and the product. Only a ``Cast`` whose one
     reader is the product is folded. Returns the number of products rewritten.
 

@@ -1,12 +1,12 @@
 """Capture: one TorchDynamo graph becomes forward and backward (or inference) graphs run by ONNX Runtime.
 
 TorchDynamo hands each graph it traces (a ``torch``-level FX graph and fake example inputs, parameters
-lifted as inputs) to :class:`~lightning_ort.engine.backend.ORTBackend`, which builds a :class:`CapturedGraph`.
+lifted as inputs) to :class:`~lightning_ort.engine.capture.backend.ORTBackend`, which builds a :class:`CapturedGraph`.
 That swaps a few ``torch.nn.functional`` calls for forms that export well
-(:func:`~lightning_ort.engine.replacements.substitute_functions`), then AOTAutograd traces the graph with fake
-tensors, decomposes it to core ATen, rewrites the joint graph (:mod:`lightning_ort.engine.fx_passes`), partitions
+(:func:`~lightning_ort.engine.fx.replacements.substitute_functions`), then AOTAutograd traces the graph with fake
+tensors, decomposes it to core ATen, rewrites the joint graph (:mod:`lightning_ort.engine.fx.passes`), partitions
 it with ``min_cut_rematerialization_partition`` and hands each resulting graph to the function of
-:meth:`CapturedGraph._graph_compiler`, which has a :class:`~lightning_ort.engine.build.GraphBuilder` build it
+:meth:`CapturedGraph._graph_compiler`, which has a :class:`~lightning_ort.engine.capture.build.GraphBuilder` build it
 into ONNX Runtime sessions. AOTAutograd's runtime wrapper bridges the sessions to PyTorch autograd
 (``param.grad`` is filled as in eager) and writes buffer updates back; TorchDynamo's guards decide when a graph
 is reused.
@@ -23,8 +23,8 @@ import torch
 import torch.fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_ort.engine.blocks import BlockGraphs, has_blocks, inline_blocks
-from lightning_ort.engine.build import (
+from lightning_ort.engine.capture.blocks import BlockGraphs, has_blocks, inline_blocks
+from lightning_ort.engine.capture.build import (
     SAVED_FROM,
     BuildLog,
     BuildOptions,
@@ -33,10 +33,10 @@ from lightning_ort.engine.build import (
     op_count,
     warn_fallback,
 )
-from lightning_ort.engine.decompositions import capture_decompositions
-from lightning_ort.engine.dynamic import is_symbolic
-from lightning_ort.engine.fx_passes import move_saved_permutes, optimize_joint_graph
-from lightning_ort.engine.replacements import substitute_functions
+from lightning_ort.engine.fx.decompositions import capture_decompositions
+from lightning_ort.engine.fx.dynamic import is_symbolic
+from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
+from lightning_ort.engine.fx.replacements import substitute_functions
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,
     aot_autograd,

@@ -84,7 +84,7 @@ class ORTConfig:
             first inputs of the fit, less ``labels``, as the example; the axes declared in ``dynamic_axes`` and
             the batch axis are symbolic, and the file is checked against eager PyTorch. The path is checked for
             write access at once.
-        log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.metrics`).
+        log_metrics: log the ``ort/*`` metrics (see :mod:`lightning_ort.lightning.metrics`).
         prog_bar: also show those metrics in the progress bar.
 
     Example:

@@ -19,10 +19,10 @@ from typing_extensions import override
 
 from lightning_ort.deployment import ExportSpec, FirstCall, export_for_deployment
 from lightning_ort.errors import ORTModuleError
-from lightning_ort.lightning_options import ORTConfig, ort_arguments
-from lightning_ort.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
+from lightning_ort.lightning.config import ORTConfig, ort_arguments
+from lightning_ort.lightning.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
+from lightning_ort.lightning.wrapping import wrap_submodules, wrapped_submodules
 from lightning_ort.module import ORTModule, is_sharded, original_module
-from lightning_ort.wrapping import wrap_submodules, wrapped_submodules
 
 log = logging.getLogger(__name__)
 

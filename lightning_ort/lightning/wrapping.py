@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.modules.loss import _Loss
 from torchmetrics import Metric
 
-from lightning_ort.engine.blocks import resolve_blocks
-from lightning_ort.lightning_options import ORTConfig
+from lightning_ort.engine.capture.blocks import resolve_blocks
+from lightning_ort.lightning.config import ORTConfig
 from lightning_ort.module import ORTModule
 
 

@@ -18,9 +18,9 @@ import sympy
 import torch
 import torch.fx
 
-from lightning_ort.engine.dynamic import Size, evaluate, symbolic_shape
-from lightning_ort.engine.fx_passes import placeholders_first
-from lightning_ort.engine.replacements import DROPOUT_KEEP
+from lightning_ort.engine.fx.dynamic import Size, evaluate, symbolic_shape
+from lightning_ort.engine.fx.passes import placeholders_first
+from lightning_ort.engine.fx.replacements import DROPOUT_KEEP
 from lightning_ort.errors import ExportError
 
 aten = torch.ops.aten
@@ -33,7 +33,7 @@ class Noise:
     ``kind`` is ``"uniform"`` (``torch.rand``), ``"normal"`` (``torch.randn``) or ``"threshold"``: a mask
     ``u <compare> threshold`` for ``u`` uniform on [0, 1), drawn from 16 random bits per element (see
     :func:`_lift_uniform_threshold`), as ``bool`` or as ``uint8`` 0/1 (dropout's keep mask,
-    :func:`lightning_ort.engine.replacements.dropout_keep`).
+    :func:`lightning_ort.engine.fx.replacements.dropout_keep`).
 
     Example:
         >>> Noise("threshold", (2, 3), torch.bool, compare="gt", threshold=0.5).draw(torch.device("cpu")).dtype

@@ -67,7 +67,7 @@ def dropout_keep(like: torch.Tensor, p: float) -> torch.Tensor:
 
     One random op for the whole mask, so the partitioner saves the mask itself for the backward graph
     (random ops are never recomputed) and the export lifts it as one input drawn in PyTorch (see
-    :class:`lightning_ort.engine.noise.Noise`). One byte per element, as eager's boolean mask, where a
+    :class:`lightning_ort.engine.fx.noise.Noise`). One byte per element, as eager's boolean mask, where a
     float32 mask would hold four. ``uint8`` rather than ``bool``, because ONNX Runtime scales it to floats in
     one ``DequantizeLinear`` node, faster than a ``Where`` on a boolean mask or a ``Cast`` and a product.
 

@@ -1,0 +1,2 @@
+"""ONNX: an FX graph exported through ``torch.onnx`` (:mod:`.export`), then rewritten for faster ONNX Runtime
+kernels (:mod:`.passes`)."""
