@@ -34,8 +34,10 @@ from lightning_ort.errors import (
     DiskCacheWarning,
     ExportError,
     FallbackWarning,
+    GraphBreakWarning,
     LightningORTError,
     ORTModuleError,
+    RecompileLimitWarning,
     SessionError,
 )
 from lightning_ort.lightning.config import ORTConfig
@@ -60,9 +62,19 @@ def __getattr__(name: str) -> Any:
 
 
 class _RegisterWithLightning(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Registers the strategies right after ``lightning.pytorch`` is imported, if it was not imported yet."""
+    """Registers the strategies right after ``lightning.pytorch`` is imported, if it was not imported yet.
+
+    ``Trainer(strategy="ort_ddp")`` looks the name up in Lightning's strategy registry, which only its own
+    modules fill; Lightning has no entry point for other packages' strategies. Importing Lightning here would
+    register them, at a cost of seconds for every ``import lightning_ort`` that only wants ``ORTModule``. This
+    finder waits for Lightning's import instead, registers the strategies once it is done, and removes itself
+    from ``sys.meta_path`` the first time it is consulted for ``lightning.pytorch``.
+    """
 
     _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._loader: importlib.abc.Loader | None = None
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
@@ -80,9 +92,11 @@ class _RegisterWithLightning(importlib.abc.MetaPathFinder, importlib.abc.Loader)
         return spec
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        assert self._loader is not None, "find_spec chose the loader"
         return self._loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
+        assert self._loader is not None, "find_spec chose the loader"
         self._loader.exec_module(module)
         _register()
 
@@ -111,6 +125,8 @@ __all__ = [
     "ExportSpec",
     "Fallback",
     "FallbackWarning",
+    "GraphBreakWarning",
+    "RecompileLimitWarning",
     "KernelProfile",
     "LightningORTError",
     "LogLevel",

@@ -29,16 +29,17 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
 
 from lightning_ort.engine.capture.blocks import blocks_unmarked
 from lightning_ort.engine.onnx.export import quiet_exporter
+from lightning_ort.engine.torch_internals import pytree
 from lightning_ort.errors import ExportError, first_line, innermost_line
+from lightning_ort.logs import get_logger
 from lightning_ort.options import unwritable_reason
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DynamicShapes: TypeAlias = Literal["batch"] | Mapping[str, Any] | Sequence[Any] | None
 """Which input axes stay symbolic: ``"batch"``, ``None``, or ``torch.export``'s ``dynamic_shapes`` (a mapping

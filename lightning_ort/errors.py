@@ -65,6 +65,14 @@ class FallbackWarning(UserWarning):
     """Part of a model (some ops, code between graphs, or a whole graph) runs in PyTorch instead of ONNX Runtime."""
 
 
+class GraphBreakWarning(FallbackWarning):
+    """TorchDynamo split a forward at a graph break: the code at the break runs in PyTorch."""
+
+
+class RecompileLimitWarning(FallbackWarning):
+    """TorchDynamo stopped recompiling a function (a recompile limit): from then on it runs in PyTorch."""
+
+
 class DiskCacheWarning(UserWarning):
     """The on-disk graph cache could not be used for one graph; training goes on without it."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-import logging
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -31,19 +30,18 @@ from lightning_ort.engine.capture.blocks import (
 from lightning_ort.engine.capture.build import BuildOptions
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.runtime.profiling import KernelProfile, read_profiles
-from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic
+from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic, uncaptured_reason
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
+from lightning_ort.logs import get_logger, model_log_level
 from lightning_ort.options import (
     DebugOptions,
     Fallback,
-    LogLevel,
     SessionSettings,
-    configure_logger,
     parse_fallback,
     refuse_static_with_dynamic_axes,
 )
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 _OWN_STATE = frozenset(
@@ -171,7 +169,6 @@ class ORTModule(nn.Module):
         self._called = False
         self._compile()
         self._expose_forward()
-        configure_logger(LogLevel(debug.log_level))
 
     @property
     def module(self) -> nn.Module:
@@ -317,9 +314,10 @@ class ORTModule(nn.Module):
                 f"{type(module).__name__} is sharded by FSDP: ORTModule.export needs its full weights on one "
                 "process. Use the 'ort_fsdp' strategy's export_onnx=..., which gathers them first."
             )
-        return export_for_deployment(
-            module, path, example_args, example_kwargs, dynamic_shapes, check=check, external_data=external_data
-        )
+        with model_log_level(self._build_options.debug.python_level):
+            return export_for_deployment(
+                module, path, example_args, example_kwargs, dynamic_shapes, check=check, external_data=external_data
+            )
 
     def clear_cache(self) -> None:
         """Drop every graph built so far; the next call compiles again. Statistics keep counting."""
@@ -335,6 +333,7 @@ class ORTModule(nn.Module):
             self._dynamic_axes.mark(args, kwargs)
         try:
             with (
+                model_log_level(self._build_options.debug.python_level),
                 tracing_settings(),
                 DynamoEvents(self._backend, type(self._original_module).__name__, self.fallback),
             ):
@@ -362,7 +361,7 @@ class ORTModule(nn.Module):
         if cls is None:
             raise error
         marked = marked_blocks(self._original_module)
-        reason = str(getattr(error, "msg", error)).split("Got graph break/error:", 1)[-1].strip()
+        reason = uncaptured_reason(error)
         where = f"{user_frame(error)}: {first_line(reason)}"
         instances = {
             name: module

@@ -18,8 +18,6 @@ from typing import Literal
 import onnxruntime as ort
 import torch
 
-_PACKAGE_LOGGER = "lightning_ort"
-
 OptimizationLevel = Literal["disable", "basic", "extended", "all"]
 """ONNX Runtime's graph optimization levels, by name."""
 
@@ -160,6 +158,12 @@ class DebugOptions:
             switches = " and ".join(name for name in ("save_onnx", "profile") if getattr(self, name))
             ensure_writable_dir(Path(self.save_path), argument="save_path", switches=switches)
 
+    @property
+    def python_level(self) -> int:
+        """``log_level`` as a Python logging level: the package's records at it and above are emitted during the
+        model's calls (see :mod:`lightning_ort.logs`)."""
+        return LogLevel(self.log_level).python_level
+
     def onnx_file(self, graph_name: str) -> Path:
         """Path of the saved model called ``graph_name``: ``<save_path>/<onnx_prefix>_<mode>_<graph_name>.onnx``.
 
@@ -294,14 +298,3 @@ def argument_type_error(name: str, value: object, accepted: str) -> TypeError:
 
 
 PROVIDERS_ACCEPTED = "a list of execution provider names (['CPUExecutionProvider']) or None"
-
-
-def configure_logger(level: LogLevel) -> logging.Logger:
-    """Set the ``lightning_ort`` logger to ``level``.
-
-    Like any library, lightning_ort gives its logger a ``NullHandler`` only: the application decides where
-    records go (``logging.basicConfig(level=logging.INFO)`` shows them on stderr).
-    """
-    logger = logging.getLogger(_PACKAGE_LOGGER)
-    logger.setLevel(level.python_level)
-    return logger

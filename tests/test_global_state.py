@@ -1,24 +1,46 @@
-"""lightning_ort leaves the process as it found it: torch's configuration, warnings filters, logging handlers,
-and, after ``torch._dynamo.reset()``, no graphs or sessions; two models train from two threads at once."""
+"""lightning_ort leaves the process as it found it: torch's configuration and MHA fast-path switch, warnings
+filters, loggers' levels, handlers and filters, ``sys.meta_path``, and, after ``torch._dynamo.reset()``, no graphs
+or sessions; two models train from two threads at once."""
 
 from __future__ import annotations
 
 import copy
 import gc
 import logging
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
-from lightning_ort import ORTModule
+from lightning_ort import DebugOptions, ORTModule, export_for_deployment
 from lightning_ort.engine.capture.backend import ort
 from tests.helpers import assert_grads_close, weighted_loss
 from tests.zoo import MLP
 from tests.zoo.architectures import LSTMTagger
+
+WATCHED_LOGGERS = ("lightning_ort", "torch", "onnxscript", "onnx_ir", "lightning")
+
+
+def _loggers() -> dict[str, tuple[object, ...]]:
+    """Level and filters of the root logger and of every logger of the libraries we touch, and the handlers of
+    the root and of ours (torch adds handlers of its own on first use)."""
+    names = [name for name in list(logging.root.manager.loggerDict) if name.split(".")[0] in WATCHED_LOGGERS]
+    loggers = {name: logging.getLogger(name) for name in names}
+    loggers["root"] = logging.getLogger()
+    return {
+        name: (
+            lg.level,
+            tuple(lg.filters),
+            tuple(lg.handlers) if name.split(".")[0] in ("root", "lightning_ort") else (),
+        )
+        for name, lg in loggers.items()
+    }
 
 
 def _globals() -> tuple[object, ...]:
@@ -26,21 +48,67 @@ def _globals() -> tuple[object, ...]:
         torch._dynamo.config.allow_rnn,
         set(torch._dynamo.config.ignore_logging_functions),
         torch._functorch.config.guess_tangent_strides_as_outputs,
+        torch.backends.mha.get_fastpath_enabled(),
         list(warnings.filters),
-        list(logging.getLogger("lightning_ort").handlers),
-        list(logging.getLogger().handlers),
+        list(sys.meta_path),
     )
 
 
-def test_training_and_reset_leave_torch_warnings_and_logging_as_they_were() -> None:
-    before = _globals()
-    model = ORTModule(LSTMTagger())
+def _same_loggers(before: dict[str, tuple[object, ...]], after: dict[str, tuple[object, ...]]) -> None:
+    """Every logger that existed before is as it was (loggers created since, by imports, are left out)."""
+    changed = {name: (before[name], after[name]) for name in before if after.get(name) != before[name]}
+    assert not changed, changed
+
+
+def test_training_and_reset_leave_torch_warnings_and_logging_as_they_were(tmp_path: Path) -> None:
+    before, loggers = _globals(), _loggers()
+    model = ORTModule(LSTMTagger(), DebugOptions(log_level="VERBOSE"))
     model(torch.randint(0, 40, (2, 7))).sum().backward()
     compiled = torch.compile(nn.Linear(4, 2), backend="ort")
     compiled(torch.randn(3, 4)).sum().backward()
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1).eval()
+    with torch.no_grad():
+        ORTModule(encoder)(torch.randn(2, 5, 16))  # the MHA fast path is off while it is traced
+    export_for_deployment(nn.Linear(4, 2), tmp_path / "m.onnx", (torch.randn(3, 4),))
     assert _globals() == before
+    _same_loggers(loggers, _loggers())
     handlers = logging.getLogger("lightning_ort").handlers
     assert all(isinstance(handler, logging.NullHandler) for handler in handlers)
+
+
+@pytest.mark.parametrize("strategy", ["ort", "ort_ddp", "ort_fsdp"])
+def test_training_under_each_strategy_leaves_the_process_as_it_was(strategy: str, tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from tests.lightning.models import TinyTransformerLM
+
+    _ = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False).strategy  # Lightning's first-use state
+    before, loggers = _globals(), _loggers()
+    during: list[tuple[object, ...]] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, *args: object) -> None:
+            during.append((list(warnings.filters), list(sys.meta_path)))
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        callbacks=[Watch()],
+    )
+    trainer.fit(TinyTransformerLM())
+    assert during and all(seen == (before[4], before[5]) for seen in during), "no filter while training either"
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    assert _globals() == before
+    _same_loggers(loggers, _loggers())
 
 
 def test_dynamo_reset_releases_the_backends_graphs_and_sessions() -> None:
@@ -159,3 +227,31 @@ def _at_once(work: Callable[[int], None], count: int) -> list[BaseException]:
     for thread in threads:
         thread.join(timeout=600)
     return errors
+
+
+IMPORT_CHECK = """
+import logging, sys
+import torch, torch._dynamo, torch.export, torch.onnx, onnxruntime, onnxscript, onnx_ir
+
+def loggers():
+    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in ("torch", "onnxscript", "onnx_ir")]
+    return {n: (logging.getLogger(n).level, tuple(logging.getLogger(n).filters)) for n in names}
+
+before, finders = loggers(), list(sys.meta_path)
+import lightning_ort
+after = loggers()
+changed = [n for n in before if after.get(n) != before[n]]
+added = [type(f).__name__ for f in sys.meta_path if f not in finders]
+import lightning.pytorch
+from lightning.pytorch.strategies import StrategyRegistry
+left = [type(f).__name__ for f in sys.meta_path if f not in finders and type(f).__module__.startswith("lightning_ort")]
+print(changed, added, left, "ort_ddp" in StrategyRegistry)
+"""
+
+
+def test_importing_the_package_touches_no_other_library_and_registers_the_strategies_with_lightning() -> None:
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[] ['_RegisterWithLightning'] [] True", result.stdout

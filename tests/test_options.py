@@ -33,14 +33,21 @@ def test_save_onnx_writes_checked_models_with_prefix(tmp_path: Path) -> None:
         onnx.checker.check_model(str(tmp_path / "onnx" / name))
 
 
-def test_log_level_sets_ort_severity_and_python_logger() -> None:
-    wrapped = ORTModule(MLP(), DebugOptions(log_level=LogLevel.INFO))
-    assert logging.getLogger("lightning_ort").level == logging.INFO
-    wrapped(torch.randn(1, 16))
-    _, session = next(wrapped._backend.runners())
+def test_log_level_sets_ort_severity_and_the_models_records_without_setting_a_logger_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.handler.setLevel(logging.DEBUG)  # the records reach the handler; the logger's level is left alone
+    level = logging.getLogger("lightning_ort").level
+    verbose = ORTModule(MLP(), DebugOptions(log_level=LogLevel.INFO))
+    quiet = ORTModule(MLP(), DebugOptions(log_level="error"))  # built last: it does not win
+    verbose(torch.randn(1, 16))
+    assert any(r.name.startswith("lightning_ort") and r.levelno == logging.INFO for r in caplog.records)
+    _, session = next(verbose._backend.runners())
     assert session._session.get_session_options().log_severity_level == 1
-    ORTModule(MLP(), DebugOptions(log_level="error"))
-    assert logging.getLogger("lightning_ort").level == logging.ERROR
+    caplog.clear()
+    quiet(torch.randn(1, 16))
+    assert not [r for r in caplog.records if r.name.startswith("lightning_ort") and r.levelno < logging.WARNING]
+    assert logging.getLogger("lightning_ort").level == level, "log_level sets no logger's level"
 
 
 def test_unknown_log_level_lists_the_allowed_values() -> None:

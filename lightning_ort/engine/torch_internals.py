@@ -12,11 +12,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+import logging
+import os
+import re
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.torch_version import TorchVersion
 
 TORCH_FLOOR = "2.11"
@@ -50,7 +55,15 @@ BackendCompilerFailed, Unsupported, UserError, UncapturedHigherOrderOpError = re
 (aot_autograd,) = require("torch._dynamo.backends.common", "aot_autograd")
 (maybe_mark_dynamic,) = require("torch._dynamo", "maybe_mark_dynamic")
 
+# Pytrees (nested arguments and outputs), and what nn.functional and nn keep private.
+__all__ = ["AOTDispatchCompiler", "pytree"]
+canonical_mask, none_or_dtype = require("torch.nn.functional", "_canonical_mask", "_none_or_dtype")
+(LossBase,) = require("torch.nn.modules.loss", "_Loss")
+"""The base class of ``torch.nn``'s loss modules (``nn.CrossEntropyLoss``...)."""
+
 # AOTAutograd and fake tensors.
+if TYPE_CHECKING:
+    from torch._functorch._aot_autograd.schemas import AOTDispatchCompiler
 functorch_config: Any = importlib.import_module("torch._functorch.config")
 (min_cut_rematerialization_partition,) = require("torch._functorch.partitioners", "min_cut_rematerialization_partition")
 detect_fake_mode, tracing = require("torch._guards", "detect_fake_mode", "tracing")
@@ -180,3 +193,64 @@ def graph_break_reasons() -> list[Any] | None:
     """
     reasons = getattr(importlib.import_module("torch._dynamo.utils"), "graph_break_reasons", None)
     return reasons if isinstance(reasons, list) else None
+
+
+# TorchDynamo's and the exporter's wording, read where they report nothing else.
+RECOMPILE_LOGGER = "torch._dynamo.convert_frame"
+"""The logger TorchDynamo warns on when it stops recompiling a function (a recompile limit)."""
+GRAPH_BREAK_LOGGERS = (
+    "torch._dynamo.variables.tensor",
+    "torch._dynamo.symbolic_convert",
+    "torch._dynamo.variables.builtin",
+)
+"""The loggers TorchDynamo writes its own lines about graph breaks to."""
+
+
+def recompile_limit_hit(record: logging.LogRecord) -> tuple[str, str, str, str] | None:
+    """Limit, value, function and reason of TorchDynamo's "hit config.recompile_limit" warning, or ``None``.
+
+    Example:
+        >>> record = logging.LogRecord("torch", 30, "", 0, "torch._dynamo hit config.%s (%s)...", None, None)
+        >>> record.args = ("recompile_limit", 8, "forward", "size changed")
+        >>> recompile_limit_hit(record)
+        ('recompile_limit', '8', 'forward', 'size changed')
+    """
+    args = tuple(record.args or ()) if isinstance(record.args, tuple) else ()
+    if not str(record.msg).startswith("torch._dynamo hit config.") or len(args) < 4:
+        return None
+    limit, value, function, reason = (str(arg) for arg in args[:4])
+    return limit, value, function, reason
+
+
+def is_graph_break_log(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is one of TorchDynamo's own lines about a graph break."""
+    return "graph break" in str(record.msg).lower()
+
+
+def uncaptured_reason(error: BaseException) -> str:
+    """The graph break that kept TorchDynamo from capturing a nested compile region, from its error's text."""
+    return str(getattr(error, "msg", error)).split("Got graph break/error:", 1)[-1].strip()
+
+
+_EXPORTER_OP = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
+
+
+def untranslated_op(error: BaseException) -> tuple[str, str] | None:
+    """The ATen op (packet, overload) that ``torch.onnx``'s ``error`` says it has no translation for, or ``None``.
+
+    Example:
+        >>> untranslated_op(RuntimeError("... OpOverload(op='aten.nonzero', overload='default') ..."))
+        ('aten.nonzero', 'default')
+    """
+    match = _EXPORTER_OP.search(str(error))
+    return (match.group(1), match.group(2)) if match else None
+
+
+FSDP_FOLDER = os.path.join(os.path.dirname(torch.__file__), "distributed", "fsdp") + os.sep
+"""Where FSDP's code lies: its hooks around a sharded module are a graph break by design."""
+
+
+def in_fsdp_hooks(stack: Sequence[traceback.FrameSummary]) -> bool:
+    """Whether a graph break with user stack ``stack`` happened in FSDP's own hooks (``fully_shard``'s pre- and
+    post-forward, which TorchDynamo is told to skip)."""
+    return bool(stack) and stack[-1].filename.startswith(FSDP_FOLDER)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.utils._pytree as pytree
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -18,13 +16,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from typing_extensions import override
 
 from lightning_ort.deployment import ExportSpec, FirstCall, export_for_deployment
+from lightning_ort.engine.torch_internals import pytree
 from lightning_ort.errors import ORTModuleError
 from lightning_ort.lightning.config import ORTConfig, ort_arguments
+from lightning_ort.lightning.lightning_internals import should_update_logs
 from lightning_ort.lightning.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
 from lightning_ort.lightning.wrapping import wrap_submodules, wrapped_submodules
+from lightning_ort.logs import get_logger
 from lightning_ort.module import ORTModule, is_sharded, original_module
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _UNSUPPORTED_PRECISION = {"transformer-engine", "transformer-engine-float16"}
 
@@ -160,7 +161,7 @@ class ORTCallback(Callback):
                 f"lightning_ort: the wrapped submodules and where they ran (after the first step):\n"
                 f"{summary_table(wrapped_submodules(pl_module))}"
             )
-        if trainer._logger_connector.should_update_logs:  # as Lightning's LearningRateMonitor: a step it logs
+        if should_update_logs(trainer):
             self._log(pl_module, on_step=True)
 
     @override

@@ -14,16 +14,13 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import logging
-import warnings
 from datetime import timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -32,7 +29,6 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     StrategyRegistry,
 )
-from lightning.pytorch.strategies.model_parallel import _materialize_distributed_module
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,15 +37,21 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_ort.engine.capture.blocks import mark_blocks, unmark_blocks
-from lightning_ort.errors import FallbackWarning
 from lightning_ort.lightning import (
     callback,  # a module, not its class: importing Lightning may start here from callback
 )
 from lightning_ort.lightning.config import ORTConfig, ort_arguments
+from lightning_ort.lightning.lightning_internals import (
+    StrategyRegistryType,
+    constructed_root_device,
+    materialize_distributed_module,
+    resolve_parallel_sizes,
+)
 from lightning_ort.lightning.wrapping import wrapped_submodules
+from lightning_ort.logs import get_logger
 from lightning_ort.module import ORTModule, original_module
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class _ORTStrategyMixin:
@@ -130,7 +132,7 @@ class ORTDDPStrategy(_ORTStrategyMixin, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         for name, start_method in (("ort_ddp", "popen"), ("ort_ddp_spawn", "spawn")):
             if name not in strategy_registry:
                 strategy_registry.register(
@@ -172,7 +174,9 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
             precision_plugin=precision_plugin,
         )
         # Lightning's accelerator connector fills an empty `parallel_devices` with the devices it chose.
-        self.parallel_devices: list[torch.device] | None = [self._root_device] if device is not None else None
+        self.parallel_devices: list[torch.device] | None = (
+            [constructed_root_device(self)] if device is not None else None
+        )
         self._ort = callback.ORTCallback(**ort_options)
 
     @property
@@ -180,7 +184,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
     def root_device(self) -> torch.device:
         if self.parallel_devices:
             return self.parallel_devices[0]
-        return self._root_device
+        return constructed_root_device(self)
 
     @override
     def setup_environment(self) -> None:
@@ -198,7 +202,7 @@ class ORTSingleDeviceStrategy(_ORTStrategyMixin, SingleDeviceStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(
                 cls.strategy_name, cls, description="Single device through ONNX Runtime (lightning_ort)"
@@ -270,10 +274,7 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Every process is one data-parallel shard: no tensor parallelism.
-        if self._tensor_parallel_size == "auto":
-            self._tensor_parallel_size = 1
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        resolve_parallel_sizes(self, data=self.num_nodes * self.num_processes, tensor=1)
         super().setup_environment()
 
     @override
@@ -287,19 +288,8 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
         self._wrap_before_setup(trainer)
         self._shard(trainer.lightning_module)
         # Parameters created under ``trainer.init_module(empty_init=True)`` are allocated once sharded.
-        _materialize_distributed_module(self.model, self.root_device)
-        # FSDP's hooks around each block are a graph break TorchDynamo cannot resume from inside the loop over
-        # the blocks; that the code around the blocks runs in PyTorch is this strategy's design, not a fallback.
-        if not any(entry[1] is not None and entry[1].pattern == _SKIPPED_HOOKS for entry in warnings.filters):
-            warnings.filterwarnings("ignore", _SKIPPED_HOOKS, FallbackWarning)
+        materialize_distributed_module(self.model, self.root_device)
         ParallelStrategy.setup(self, trainer)
-
-    @override
-    def teardown(self) -> None:
-        """Remove the warnings filter :meth:`setup` installed, then tear down as FSDP does."""
-        filters = cast(list[Any], warnings.filters)
-        filters[:] = [entry for entry in filters if entry[1] is None or entry[1].pattern != _SKIPPED_HOOKS]
-        super().teardown()
 
     def _shard(self, root: pl.LightningModule) -> None:
         """``fully_shard`` every block of every wrapped network, then each network (once: ``setup`` repeats)."""
@@ -334,14 +324,11 @@ class ORTFSDPStrategy(_ORTStrategyMixin, ModelParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(
                 cls.strategy_name, cls, description="FSDP2 with blocks in ONNX Runtime (lightning_ort)"
             )
-
-
-_SKIPPED_HOOKS = r"lightning_ort: TorchDynamo split the forward of .* at a graph break: Attempted to call function"
 
 
 def shard_network(

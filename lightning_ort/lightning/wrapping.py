@@ -10,10 +10,10 @@ import inspect
 from collections.abc import Mapping, Sequence
 
 from torch import nn
-from torch.nn.modules.loss import _Loss
 from torchmetrics import Metric
 
 from lightning_ort.engine.capture.blocks import resolve_blocks
+from lightning_ort.engine.torch_internals import LossBase
 from lightning_ort.lightning.config import ORTConfig
 from lightning_ort.module import ORTModule
 
@@ -23,7 +23,7 @@ def default_module_names(root: nn.Module) -> list[str]:
     return [
         name
         for name, child in root.named_children()
-        if not isinstance(child, (Metric, _Loss)) and any(p.requires_grad for p in child.parameters())
+        if not isinstance(child, (Metric, LossBase)) and any(p.requires_grad for p in child.parameters())
     ]
 
 

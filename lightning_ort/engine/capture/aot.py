@@ -50,11 +50,12 @@ from lightning_ort.errors import (
     SessionError,
     first_line,
 )
+from lightning_ort.logs import ScopedFilter, get_logger
 
 if TYPE_CHECKING:
-    from torch._functorch._aot_autograd.schemas import AOTDispatchCompiler
+    from lightning_ort.engine.torch_internals import AOTDispatchCompiler
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class GraphNames:
@@ -141,7 +142,7 @@ class CapturedGraph:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
             # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
             # translation, and their auxiliary outputs do not survive the export.
-            with sdpa_kernel(SDPBackend.MATH), _OwnFailuresUnlogged(AOT_GRAPH_COMPILE_LOG), tangents_by_format():
+            with sdpa_kernel(SDPBackend.MATH), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
                 compiled = self._compile_with_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
@@ -230,30 +231,17 @@ class CapturedGraph:
         return compile_graph
 
 
-class _OwnFailuresUnlogged(logging.Filter):
-    """Drops a logger's records of our export or session failures while in use (we report those ourselves).
+def _not_our_failure(record: logging.LogRecord) -> bool:
+    failure = record.exc_info[1] if record.exc_info else None
+    return not isinstance(failure, (ExportError, SessionError))
 
-    AOTAutograd compiles a dynamic-shape graph's backward ahead of time and logs a failure, with its traceback,
-    at WARNING level before deferring it to the first backward; :meth:`CapturedGraph.compile` reports it
-    instead, and builds one graph per shape.
 
-    Args:
-        logger: the name of the logger to filter.
-    """
+_OWN_FAILURES_UNLOGGED = ScopedFilter((AOT_GRAPH_COMPILE_LOG,), keep=_not_our_failure)
+"""Drops AOTAutograd's records of our export or session failures during a capture (we report those ourselves).
 
-    def __init__(self, logger: str) -> None:
-        super().__init__()
-        self._logger = logging.getLogger(logger)
-
-    def __enter__(self) -> None:
-        self._logger.addFilter(self)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._logger.removeFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        failure = record.exc_info[1] if record.exc_info else None
-        return not isinstance(failure, (ExportError, SessionError))
+AOTAutograd compiles a dynamic-shape graph's backward ahead of time and logs a failure, with its traceback, at
+WARNING level before deferring it to the first backward; :meth:`CapturedGraph.compile` reports it instead, and
+builds one graph per shape."""
 
 
 class PerShapeGraphs:

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 import torch.fx
-from typing_extensions import override
 
 from lightning_ort.engine.capture.aot import CapturedGraph, GraphNames
 from lightning_ort.engine.capture.blocks import BlockGraphs
 from lightning_ort.engine.capture.build import PENDING_WARNINGS, BuildCounts, BuildLog, BuildOptions, GraphRunner
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.torch_internals import (
+    GRAPH_BREAK_LOGGERS,
+    RECOMPILE_LOGGER,
     TRACES_RECURRENT_LAYERS,
     BackendCompilerFailed,
     Unsupported,
@@ -35,12 +36,24 @@ from lightning_ort.engine.torch_internals import (
     counters,
     dynamo_config,
     graph_break_reasons,
+    in_fsdp_hooks,
+    is_graph_break_log,
+    recompile_limit_hit,
     recompile_reason,
 )
-from lightning_ort.errors import CaptureError, FallbackWarning, first_line, user_frame, warn
+from lightning_ort.errors import (
+    CaptureError,
+    FallbackWarning,
+    GraphBreakWarning,
+    RecompileLimitWarning,
+    first_line,
+    user_frame,
+    warn,
+)
+from lightning_ort.logs import ScopedFilter, get_logger
 from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -345,6 +358,7 @@ class DynamoEvents:
         self._frames = 0
         self._breaks: dict[str, int] = {}
         self._recorded = 0
+        self._scopes = contextlib.ExitStack()
         self._fastpath = True
         self.compiled = False
 
@@ -352,9 +366,10 @@ class DynamoEvents:
         self._frames = counters["frames"]["total"]
         self._breaks = dict(counters["graph_break"])
         self._recorded = len(graph_break_reasons() or ())
-        _LIMIT_FILTER.hits.clear()
-        _LIMIT_FILTER.active = True
-        _BREAK_LOGS.active = True
+        _limit_hits().clear()
+        self._scopes = contextlib.ExitStack()
+        self._scopes.enter_context(_LIMIT_LOGS.scope())
+        self._scopes.enter_context(_BREAK_LOGS.scope())
         PENDING_WARNINGS.collecting = True
         PENDING_WARNINGS.messages.clear()
         # nn.TransformerEncoder's inference fast path is one fused op without an ONNX translation.
@@ -364,8 +379,7 @@ class DynamoEvents:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
         torch.backends.mha.set_fastpath_enabled(self._fastpath)
-        _LIMIT_FILTER.active = False
-        _BREAK_LOGS.active = False
+        self._scopes.close()
         PENDING_WARNINGS.collecting = False
         self.compiled = counters["frames"]["total"] != self._frames
         if isinstance(error, BackendCompilerFailed):
@@ -385,6 +399,9 @@ class DynamoEvents:
         PENDING_WARNINGS.messages.clear()
         for reason, stack in self._new_breaks():
             self._log.add(graph_breaks=1)
+            if in_fsdp_hooks(stack):  # FSDP's hooks around a sharded block: its design, not a fallback
+                log.info("%s: TorchDynamo split the forward at FSDP's hooks (%s)", self._owner, _frame_line(stack[-1]))
+                continue
             rest = (
                 "the graphs on both sides run in ONNX Runtime"
                 if self._log.counts.graphs
@@ -394,17 +411,19 @@ class DynamoEvents:
             self._warn(
                 f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
                 f"{first_line(reason)}{where}. That code runs in PyTorch; {rest}. {break_advice(reason, stack)} "
-                "Pass fallback='raise' to make this an error."
+                "Pass fallback='raise' to make this an error.",
+                GraphBreakWarning,
             )
-        for limit, value, function, reason in _LIMIT_FILTER.hits:
+        for limit, value, function, reason in _limit_hits():
             self._log.add(recompile_limit_hits=1)
             self._warn(
                 f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
                 f"torch._dynamo.config.{limit} ({value}) recompiling it, last because {reason}. A value that "
                 "changes every step (a Python float or int argument, a shape with dynamic=False) causes this: pass "
-                "it as a tensor, construct the module with dynamic=True, or raise the limit."
+                "it as a tensor, construct the module with dynamic=True, or raise the limit.",
+                RecompileLimitWarning,
             )
-        _LIMIT_FILTER.hits.clear()
+        _limit_hits().clear()
 
     def _new_breaks(self) -> list[tuple[str, list[traceback.FrameSummary]]]:
         """The graph breaks of this call at places the model had not broken before: reason and user stack."""
@@ -426,11 +445,11 @@ class DynamoEvents:
             found.append((str(entry.reason), stack))
         return found
 
-    def _warn(self, message: str) -> None:
-        """Issue ``message`` as a :class:`FallbackWarning` unless this model already had it."""
+    def _warn(self, message: str, category: type[FallbackWarning] = FallbackWarning) -> None:
+        """Issue ``message`` as a ``category`` warning unless this model already had it."""
         if message not in self._backend.warned:
             self._backend.warned.add(message)
-            warn(message, FallbackWarning)
+            warn(message, category)
 
 
 def _frame_line(frame: traceback.FrameSummary) -> str:
@@ -491,56 +510,31 @@ def _in_library(filename: str) -> bool:
     return filename.startswith(torch_folder) or any(part in filename for part in ("site-packages", "dist-packages"))
 
 
-class _CallFilter(logging.Filter):
-    """A log filter switched on while :class:`DynamoEvents` watches a call, per thread (TorchDynamo compiles and
-    logs on the calling thread)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._state = threading.local()
-
-    @property
-    def active(self) -> bool:
-        return getattr(self._state, "active", False)
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self._state.active = value
+_HITS = threading.local()
+"""This thread's recompile-limit hits during the call :class:`DynamoEvents` watches: limit, value, function,
+reason."""
 
 
-class _RecompileLimitFilter(_CallFilter):
-    """Records TorchDynamo's "hit config.recompile_limit" warnings, for this thread's call only."""
-
-    @property
-    def hits(self) -> list[tuple[str, ...]]:
-        """This thread's recorded hits: limit, value, function, reason."""
-        if not hasattr(self._state, "hits"):
-            self._state.hits = []
-        return self._state.hits
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.active and record.msg.startswith("torch._dynamo hit config.") and len(record.args or ()) >= 4:
-            args = tuple(record.args or ())
-            self.hits.append(tuple(str(arg) for arg in args[:4]))
-        return True
+def _limit_hits() -> list[tuple[str, str, str, str]]:
+    if not hasattr(_HITS, "hits"):
+        _HITS.hits = []
+    hits: list[tuple[str, str, str, str]] = _HITS.hits
+    return hits
 
 
-_LIMIT_FILTER = _RecompileLimitFilter()
-logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_FILTER)
+def _record_limit_hit(record: logging.LogRecord) -> bool:
+    hit = recompile_limit_hit(record)
+    if hit is not None:
+        _limit_hits().append(hit)
+    return True
 
 
-class _GraphBreakLogs(_CallFilter):
-    """Drops TorchDynamo's own log lines about graph breaks during the call: the FallbackWarning says the same
-    once. ``TORCH_LOGS=graph_breaks`` keeps them."""
+_LIMIT_LOGS = ScopedFilter((RECOMPILE_LOGGER,), keep=_record_limit_hit)
+"""Records TorchDynamo's "hit config.recompile_limit" warnings during our calls."""
 
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not self.active or "graph_breaks" in os.environ.get("TORCH_LOGS", ""):
-            return True
-        return "graph break" not in str(record.msg).lower()
-
-
-_BREAK_LOGS = _GraphBreakLogs()
-for _logger in ("torch._dynamo.variables.tensor", "torch._dynamo.symbolic_convert", "torch._dynamo.variables.builtin"):
-    logging.getLogger(_logger).addFilter(_BREAK_LOGS)
+_BREAK_LOGS = ScopedFilter(
+    GRAPH_BREAK_LOGGERS,
+    keep=lambda record: "graph_breaks" in os.environ.get("TORCH_LOGS", "") or not is_graph_break_log(record),
+)
+"""Drops TorchDynamo's own log lines about graph breaks during our calls: the warning says the same once.
+``TORCH_LOGS=graph_breaks`` keeps them."""

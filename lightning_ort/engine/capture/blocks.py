@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -25,8 +24,9 @@ from torch import nn
 
 from lightning_ort.engine.torch_internals import INVOKE_SUBGRAPH, nested_compile_region
 from lightning_ort.errors import BlockError
+from lightning_ort.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 BlockSpec = str | type[nn.Module]
 """A block class, or its name (``"GPT2Block"``)."""

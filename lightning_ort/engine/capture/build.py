@@ -11,7 +11,6 @@ is found by bisection. :class:`BuildLog` adds up what building cost (:class:`Bui
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 import threading
 import time
@@ -36,9 +35,10 @@ from lightning_ort.engine.onnx.export import ExportedGraph, export_graph
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.runtime.session import GraphSession, providers_for
 from lightning_ort.errors import ExportError, FallbackWarning, LightningORTError, SessionError, first_line, warn
+from lightning_ort.logs import get_logger
 from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,15 @@ each rewrite sees a gradient together with the forward op it belongs to.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from lightning_ort.engine.torch_internals import detect_fake_mode
+from lightning_ort.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 aten = torch.ops.aten
 

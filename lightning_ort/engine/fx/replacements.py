@@ -15,6 +15,8 @@ import math
 import torch
 import torch.fx
 
+from lightning_ort.engine.torch_internals import canonical_mask, none_or_dtype
+
 aten = torch.ops.aten
 
 
@@ -204,15 +206,14 @@ def multi_head_attention(
             average_attn_weights=average_attn_weights,
             is_causal=is_causal,
         )
-    functional = torch.nn.functional
-    key_padding_mask = functional._canonical_mask(
+    key_padding_mask = canonical_mask(
         mask=key_padding_mask,
         mask_name="key_padding_mask",
-        other_type=functional._none_or_dtype(attn_mask),
+        other_type=none_or_dtype(attn_mask),
         other_name="attn_mask",
         target_type=query.dtype,
     )
-    attn_mask = functional._canonical_mask(
+    attn_mask = canonical_mask(
         mask=attn_mask,
         mask_name="attn_mask",
         other_type=None,
@@ -235,11 +236,11 @@ def multi_head_attention(
         if key_padding_mask is not None:
             padding = key_padding_mask.view(batch, 1, 1, length)
             mask = padding if mask is None else mask + padding
-    projected = functional.linear(inputs, in_proj_weight, in_proj_bias)
+    projected = torch.nn.functional.linear(inputs, in_proj_weight, in_proj_bias)
     q, k, v = projected.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
     attended = attention(q, k, v, mask, dropout_p if training else 0.0, causal)
     merged = attended.transpose(1, 2).reshape(batch, length, width)
-    return functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
+    return torch.nn.functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
 
 
 def substitute_functions(gm: torch.fx.GraphModule) -> int:

@@ -22,7 +22,6 @@ import contextlib
 import io
 import logging
 import operator
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,10 +58,12 @@ from lightning_ort.engine.torch_internals import (
     detect_fake_mode,
     tracing,
     unset_fake_temporarily,
+    untranslated_op,
 )
 from lightning_ort.errors import ExportError, first_line, node_origin
+from lightning_ort.logs import ScopedFilter, get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 aten = torch.ops.aten
 
@@ -361,20 +362,16 @@ def quiet_exporter(verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    loggers = [logging.getLogger(name) for name in _EXPORTER_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    with _EXPORTER_LOGS.scope(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
-_EXPORTER_LOGGERS = ("torch.onnx", "torch.export", "torch.fx.experimental.symbolic_shapes", "onnxscript", "onnx_ir")
+_EXPORTER_LOGS = ScopedFilter(
+    ("torch.onnx", "torch.export", "torch.fx.experimental.symbolic_shapes", "onnxscript", "onnx_ir"),
+    keep=lambda record: record.levelno >= logging.ERROR,
+)
+"""The exporter's progress lines and warnings, dropped during our exports (errors pass)."""
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
@@ -383,21 +380,17 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
     log.info("saved ONNX model to %s", path)
 
 
-_OP_PATTERN = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
-
-
 def _export_failure(gm: torch.fx.GraphModule, name: str, err: Exception) -> ExportError:
-    text = str(err)
-    match = _OP_PATTERN.search(text)
+    match = untranslated_op(err)
     if match is None:
         return ExportError(
             f"ONNX export of the {name} graph failed: {first_line(err)}\n"
             "Run with DebugOptions(log_level=LogLevel.VERBOSE) for the exporter's full report."
         )
-    op_name = f"{match.group(1)}.{match.group(2)}"
+    op_name = f"{match[0]}.{match[1]}"
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op_name]
     if not nodes:
-        base = match.group(1).rsplit(".", 1)[-1]
+        base = match[0].rsplit(".", 1)[-1]
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and base in str(n.target)]
     graph_ops = sorted({str(n.target) for n in nodes} - {op_name})
     lowered = f" (lowered from `{'`, `'.join(graph_ops)}`)" if graph_ops else ""

@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import tempfile
@@ -42,6 +41,7 @@ from onnx import helper, numpy_helper
 from onnx_ir.passes import common as common_passes
 
 from lightning_ort.engine.once import Once
+from lightning_ort.logs import get_logger
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
 """ONNX Runtime graph optimizers our sessions turn off (see the module docstring)."""
@@ -49,7 +49,7 @@ DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
 _MICROSOFT = "com.microsoft"
 _NCHWC = "com.microsoft.nchwc"
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def simplify(model: ir.Model) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import logging
 import os
 import struct
 import tempfile
@@ -37,9 +36,10 @@ from lightning_ort.engine.onnx.export import ExportedGraph
 from lightning_ort.engine.onnx.passes import nchwc_block_size
 from lightning_ort.engine.torch_internals import SIZE_FUNCTIONS, FloorDiv
 from lightning_ort.errors import DiskCacheWarning, warn
+from lightning_ort.logs import get_logger
 from lightning_ort.options import unwritable_reason
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _MAGIC = b"LORTGRF2"
 _SUFFIX = ".ortgraph"

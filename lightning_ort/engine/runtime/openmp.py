@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 from collections.abc import Callable
 
 from lightning_ort.engine.once import Once
+from lightning_ort.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # omp_pause_resource_t's omp_pause_soft: keep the runtime usable, let its threads go.
 _OMP_PAUSE_SOFT = 1
@@ -62,7 +62,7 @@ def _pause_function() -> Callable[[int], int] | None:
         if function is not None:
             function.argtypes = [ctypes.c_int]
             function.restype = ctypes.c_int
-            log.debug("releasing OpenMP threads with omp_pause_resource_all from %s", library._name)
+            log.debug("releasing OpenMP threads with omp_pause_resource_all from %s", library)
             return function
     log.debug("no OpenMP runtime with omp_pause_resource_all is loaded: PyTorch's threads are left as they are")
     return None

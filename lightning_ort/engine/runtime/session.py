@@ -4,17 +4,13 @@ Inputs are bound to the data pointers of PyTorch tensors; outputs are bound to n
 (where ONNX Runtime is told to use PyTorch's current stream, so no synchronisation is needed either) and, on CPU,
 written into ONNX Runtime's arena and handed to PyTorch through DLPack. Nothing is copied on the way in or out.
 
-The binding goes through ONNX Runtime's pybind11 layer (``onnxruntime.capi._pybind_state``), the one its own
-``IOBinding`` and ``InferenceSession`` wrap: the wrappers build an ``OrtDevice`` for every bound tensor and a
-DLPack exchange per output, a cost that dominates small graphs (ORTModule of onnxruntime-training used the
-same layer). See the performance page for the per-call cost.
+The binding goes through ONNX Runtime's pybind11 layer (see :mod:`~lightning_ort.engine.ort_internals`), the
+one its own ``IOBinding`` and ``InferenceSession`` wrap. See the performance page for the per-call cost.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,18 +20,26 @@ import onnx
 import onnxruntime as ort
 import sympy
 import torch
-from onnxruntime.capi import _pybind_state as ort_c
 
 from lightning_ort.engine.fx.dynamic import evaluate
 from lightning_ort.engine.fx.layout import OutputSpec
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.export import ExportedGraph, save_model
 from lightning_ort.engine.onnx.passes import DISABLED_ORT_OPTIMIZERS
+from lightning_ort.engine.ort_internals import (
+    CDevice,
+    OrtValueVector,
+    SessionIOBinding,
+    c_device,
+    failing_nodes,
+    pybind_session,
+)
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
 from lightning_ort.errors import SessionError
+from lightning_ort.logs import get_logger
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 RELEASE_MIN_RUN_S = 1e-3
 """A graph whose last run took less than this (seconds) runs without releasing PyTorch's OpenMP threads first.
@@ -168,9 +172,9 @@ class GraphSession:
                 "If it names an op without an implementation, that op/dtype has no kernel on this provider "
                 "(e.g. float64 Erf on CPU): use float32, another provider, keep that submodule out of ORTModule, "
                 "or pass fallback='auto' to run such ops in PyTorch.",
-                [name.removeprefix("node_") for match in _NODE_NAME.findall(str(err)) for name in match if name],
+                failing_nodes(err),
             ) from err
-        self._run_session = self._session._sess  # the pybind11 session: see the module's docstring
+        self._run_session = pybind_session(self._session)
         self._input_names = [i.name for i in self._session.get_inputs()]
         self._output_names = [o.name for o in self._session.get_outputs()]
         self._stream = _session_stream(providers)
@@ -209,7 +213,7 @@ class GraphSession:
         args.clear()
         env = {symbol: inputs[index].shape[dim] for symbol, (index, dim) in graph.symbols.items()}
         inputs.extend(noise.draw(self._device, env) for noise in graph.noise)
-        binding = ort_c.SessionIOBinding(self._run_session)
+        binding = SessionIOBinding(self._run_session)
         for name, tensor in zip(self._input_names, inputs):
             _bind(binding.bind_input, name, tensor)
         outputs = self._bind_outputs(binding, env)
@@ -231,7 +235,7 @@ class GraphSession:
             outputs = _from_onnx_runtime(binding.get_outputs(), graph.outputs)
         return graph.layout.place(outputs, inputs, env)
 
-    def _run(self, binding: ort_c.SessionIOBinding) -> None:
+    def _run(self, binding: SessionIOBinding) -> None:
         self._run_session.run_with_iobinding(binding, self._run_options())
 
     def _run_options(self) -> ort.RunOptions | None:
@@ -251,7 +255,7 @@ class GraphSession:
         self._stream.wait_stream(current)
         return None
 
-    def _bind_outputs(self, binding: ort_c.SessionIOBinding, env: dict[sympy.Symbol, int]) -> list[torch.Tensor] | None:
+    def _bind_outputs(self, binding: SessionIOBinding, env: dict[sympy.Symbol, int]) -> list[torch.Tensor] | None:
         """Bind the outputs: to new PyTorch tensors (returned) on CUDA; to ONNX Runtime's arena on CPU (``None``:
         the run's outputs are handed to PyTorch afterwards through DLPack, still without a copy).
 
@@ -283,12 +287,7 @@ def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.
     return None
 
 
-# "Could not find an implementation for MatMul(13) node with name 'node_mm'" (no kernel) and
-# "... bound to different types ... in node (node_layer_norm)" (type check): the ONNX node names the FX node.
-_NODE_NAME = re.compile(r"node with name '([^']+)'|in node \(([^)]+)\)")
-
-
-def _from_onnx_runtime(values: ort_c.OrtValueVector, specs: Sequence[OutputSpec]) -> list[torch.Tensor]:
+def _from_onnx_runtime(values: OrtValueVector, specs: Sequence[OutputSpec]) -> list[torch.Tensor]:
     """A run's outputs as PyTorch tensors sharing their memory (DLPack carries booleans as uint8)."""
     tensors = values.to_dlpacks(torch.utils.dlpack.from_dlpack)
     return [t if t.dtype == spec.dtype else t.view(spec.dtype) for t, spec in zip(tensors, specs)]
@@ -299,9 +298,9 @@ def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _ort_device(device: torch.device) -> ort_c.OrtDevice:
+def _ort_device(device: torch.device) -> CDevice:
     """ONNX Runtime's description of the memory of tensors on ``device``, made once per device."""
-    return ort.OrtDevice.make(device.type, device.index or 0)._get_c_device()
+    return c_device(device.type, device.index or 0)
 
 
 def _bind(bind: Any, name: str, tensor: torch.Tensor) -> None:
