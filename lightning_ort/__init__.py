@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -25,7 +26,7 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
 
 from lightning_ort.deployment import DeployedModel, ExportSpec, export_for_deployment
-from lightning_ort.engine.capture.backend import CacheStatistics, ORTBackend
+from lightning_ort.engine.capture.backend import ModuleStatistics, ORTBackend
 from lightning_ort.engine.capture.build import BuildCounts
 from lightning_ort.engine.runtime.profiling import KernelProfile, OpTime, read_profiles
 from lightning_ort.errors import (
@@ -58,6 +59,14 @@ _LIGHTNING_PARTS = {
 def __getattr__(name: str) -> Any:
     if name in _LIGHTNING_PARTS:
         return getattr(importlib.import_module(_LIGHTNING_PARTS[name]), name)
+    if name == "CacheStatistics":
+        warnings.warn(
+            "lightning_ort.CacheStatistics is now lightning_ort.ModuleStatistics (it holds build times and run "
+            "counts, not only cache figures); the old name will be removed.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ModuleStatistics
     raise AttributeError(f"module 'lightning_ort' has no attribute {name!r}")
 
 
@@ -116,7 +125,7 @@ else:
 __all__ = [
     "BlockError",
     "BuildCounts",
-    "CacheStatistics",
+    "ModuleStatistics",
     "CaptureError",
     "DebugOptions",
     "DeployedModel",

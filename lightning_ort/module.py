@@ -18,14 +18,14 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ort.deployment import DeployedModel, DynamicShapes, export_for_deployment
-from lightning_ort.engine.capture.backend import CacheStatistics, DynamoEvents, ORTBackend, tracing_settings
+from lightning_ort.engine.capture.backend import DynamoEvents, ModuleStatistics, ORTBackend, tracing_settings
 from lightning_ort.engine.capture.blocks import (
     BlockSpec,
     mark_blocks,
     marked_blocks,
     resolve_blocks,
     uncaptured_block,
-    unmark_class,
+    unmark_blocks,
 )
 from lightning_ort.engine.capture.build import BuildOptions
 from lightning_ort.engine.runtime.disk_cache import DiskCache
@@ -210,7 +210,7 @@ class ORTModule(nn.Module):
         return disk.directory if disk is not None else None
 
     @property
-    def statistics(self) -> CacheStatistics:
+    def statistics(self) -> ModuleStatistics:
         """Build time, graphs and graph breaks, calls that built graphs or reused them, and ONNX Runtime runs."""
         return self._backend.statistics((self._calls - self._building_calls, self._building_calls))
 
@@ -321,7 +321,7 @@ class ORTModule(nn.Module):
 
     def clear_cache(self) -> None:
         """Drop every graph built so far; the next call compiles again. Statistics keep counting."""
-        self._backend.clear()
+        self._backend.reset()
         self._compile(self._backend)
 
     @override
@@ -375,7 +375,7 @@ class ORTModule(nn.Module):
                 f"{where}. Remove that graph break from {cls.__name__}.forward, or name the other block classes "
                 f"in blocks=[...] (blocks=None for none)."
             ) from error
-        unmark_class(self._original_module, cls)
+        unmark_blocks(self._original_module, [cls])
         self._blocks = tuple(block for block in self._blocks if block is not cls)
         warn(
             f"lightning_ort: {owner}: block {cls.__name__} (`{path}`) is captured with the model's graphs, not as "

@@ -118,8 +118,10 @@ class DebugOptions:
         save_onnx: write every exported model and the model ONNX Runtime optimized from it to
             ``<save_path>/<onnx_prefix>_training_forward.onnx``, ``..._training_backward.onnx`` and
             ``..._inference.onnx`` (see :meth:`onnx_file`); needs ``onnx_prefix``.
-        log_level: severity for ONNX Runtime's session logs and for the ``lightning_ort`` Python logger: a
-            :class:`LogLevel` or its name (``"INFO"``); always a :class:`LogLevel` once constructed.
+        log_level: severity for ONNX Runtime's session logs, and the level from which lightning_ort's Python
+            records are emitted while the model builds, runs or exports (no logger's level is set: see
+            :mod:`lightning_ort.logs`): a :class:`LogLevel` or its name (``"INFO"``); always a :class:`LogLevel`
+            once constructed.
         onnx_prefix: file name prefix of the saved models and profiles; required with ``save_onnx``.
         save_path: folder for the saved models and profiles; created if missing, checked for write access at once.
         profile: record ONNX Runtime's profile of every session (each kernel's time, op type and provider, per

@@ -119,3 +119,11 @@ def test_a_failed_registration_registers_nothing(monkeypatch: pytest.MonkeyPatch
     monkeypatch.undo()
     register_strategies()
     assert all(name in StrategyRegistry for name in names)
+
+
+def test_the_old_statistics_name_still_works_with_a_deprecation_warning() -> None:
+    import lightning_ort
+
+    with pytest.warns(DeprecationWarning, match=r"CacheStatistics is now lightning_ort\.ModuleStatistics"):
+        old = lightning_ort.CacheStatistics
+    assert old is lightning_ort.ModuleStatistics

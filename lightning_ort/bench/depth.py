@@ -36,7 +36,7 @@ STEADY_RUNTIMES = ("eager", "ort_blocks", "ort")
 
 PHASES = ("tracing_seconds", "capture_seconds", "translation_seconds", "session_seconds", "export_seconds")
 """What the ORT probes report of their first step: TorchDynamo's own tracing, and the
-:class:`~lightning_ort.CacheStatistics` times."""
+:class:`~lightning_ort.ModuleStatistics` times."""
 
 
 @dataclass

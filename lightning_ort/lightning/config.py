@@ -49,7 +49,8 @@ class ORTConfig:
         modules: LightningModule attribute paths to wrap (dotted for nested ones: ``"model.encoder"``). Default:
             every direct child with trainable parameters that is not a torchmetrics ``Metric`` or a loss module.
         save_onnx: save every exported and ORT-optimized ONNX model (see :class:`~lightning_ort.DebugOptions`).
-        log_level: ORT session and ``lightning_ort`` logger verbosity: VERBOSE, INFO, WARNING, ERROR, FATAL.
+        log_level: ONNX Runtime's session log severity, and the level of lightning_ort's records during the
+            wrapped networks' calls: VERBOSE, INFO, WARNING, ERROR, FATAL.
         onnx_prefix: file name prefix of saved models; each wrapped submodule's files add its path.
         save_path: folder for saved models and profiles (default: the working directory); checked for write
             access at once.

@@ -5,11 +5,11 @@ the end of each training epoch, and at the end of validation and test: between t
 
 Logged names and their cross-rank reduction:
 
-* ``ort/export_time_s``: seconds spent exporting captured graphs to ONNX (or loading them from ``cache_dir``)
+* ``ort/export_seconds``: seconds spent exporting captured graphs to ONNX (or loading them from ``cache_dir``)
   and creating their sessions, summed over the wrapped submodules of a rank, then the **maximum** over ranks
   (the rank everyone waited for).
-* ``ort/capture_time_s``: seconds spent capturing graphs with AOTAutograd, reduced the same way. The first
-  step's extra cost is about ``ort/capture_time_s + ort/export_time_s``.
+* ``ort/capture_seconds``: seconds spent capturing graphs with AOTAutograd, reduced the same way. The first
+  step's extra cost is about ``ort/capture_seconds + ort/export_seconds``.
 * ``ort/cache_hits``: calls that reused a cached graph, **summed** over submodules and ranks.
 * ``ort/cache_misses``: graph builds, summed over submodules, then the **maximum** over ranks: with every rank
   seeing the same shapes this is the number of distinct graphs.
@@ -38,11 +38,11 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 from typing_extensions import override
 
-from lightning_ort.engine.capture.backend import CacheStatistics
+from lightning_ort.engine.capture.backend import ModuleStatistics
 from lightning_ort.module import ORTModule, original_module
 
-EXPORT_TIME = "ort/export_time_s"
-CAPTURE_TIME = "ort/capture_time_s"
+EXPORT_SECONDS = "ort/export_seconds"
+CAPTURE_SECONDS = "ort/capture_seconds"
 FALLBACK_OPS = "ort/fallback_ops"
 CACHE_HITS = "ort/cache_hits"
 CACHE_MISSES = "ort/cache_misses"
@@ -52,11 +52,14 @@ GRAPH_BREAKS = "ort/graph_breaks"
 ONNX_RUNTIME_SHARE = "ort/onnx_runtime_share"
 
 
-def total_statistics(modules: Mapping[str, ORTModule]) -> CacheStatistics:
+def total_statistics(modules: Mapping[str, ORTModule]) -> ModuleStatistics:
     """This rank's statistics summed over ``modules``."""
     stats = [m.statistics for m in modules.values()]
-    return CacheStatistics(
-        **{field.name: sum(getattr(s, field.name) or 0 for s in stats) for field in dataclasses.fields(CacheStatistics)}
+    return ModuleStatistics(
+        **{
+            field.name: sum(getattr(s, field.name) or 0 for s in stats)
+            for field in dataclasses.fields(ModuleStatistics)
+        }
     )
 
 
@@ -86,8 +89,8 @@ def onnx_runtime_share(modules: Mapping[str, ORTModule]) -> float:
 
 
 _REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    EXPORT_TIME: torch.max,
-    CAPTURE_TIME: torch.max,
+    EXPORT_SECONDS: torch.max,
+    CAPTURE_SECONDS: torch.max,
     CACHE_HITS: torch.sum,
     CACHE_MISSES: torch.max,
     FALLBACK_OPS: torch.max,
@@ -108,9 +111,9 @@ class ORTMetrics(Metric):
 
     Example:
         >>> metrics = ORTMetrics()
-        >>> values = metrics.reduce(CacheStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
+        >>> values = metrics.reduce(ModuleStatistics(export_seconds=1.5, cache_hits=3, cache_misses=2))
         >>> {name: float(value) for name, value in values.items()}  # doctest: +NORMALIZE_WHITESPACE
-        {'ort/export_time_s': 1.5, 'ort/capture_time_s': 0.0, 'ort/cache_hits': 3.0, 'ort/cache_misses': 2.0,
+        {'ort/export_seconds': 1.5, 'ort/capture_seconds': 0.0, 'ort/cache_hits': 3.0, 'ort/cache_misses': 2.0,
          'ort/fallback_ops': 0.0, 'ort/block_graphs': 0.0, 'ort/block_reuses': 0.0, 'ort/graph_breaks': 0.0,
          'ort/onnx_runtime_share': 0.0}
     """
@@ -123,12 +126,12 @@ class ORTMetrics(Metric):
         self.add_state("rows", default=[], dist_reduce_fx="cat")
 
     @override
-    def update(self, stats: CacheStatistics, share: float | None = None) -> None:
+    def update(self, stats: ModuleStatistics, share: float | None = None) -> None:
         """Add this rank's cumulative ``stats`` as a row; ``share`` is its ONNX Runtime share over its networks
         (:func:`onnx_runtime_share`), or that of ``stats`` if ``None``."""
         local = {
-            EXPORT_TIME: stats.export_seconds,
-            CAPTURE_TIME: stats.capture_seconds,
+            EXPORT_SECONDS: stats.export_seconds,
+            CAPTURE_SECONDS: stats.capture_seconds,
             CACHE_HITS: stats.cache_hits or 0,
             CACHE_MISSES: stats.cache_misses or 0,
             FALLBACK_OPS: stats.fallback_ops,
@@ -146,7 +149,7 @@ class ORTMetrics(Metric):
         rows = dim_zero_cat(self.rows)
         return {name: reduce(rows[:, i]).float() for i, (name, reduce) in enumerate(_REDUCTIONS.items())}
 
-    def reduce(self, stats: CacheStatistics, share: float | None = None) -> dict[str, torch.Tensor]:
+    def reduce(self, stats: ModuleStatistics, share: float | None = None) -> dict[str, torch.Tensor]:
         """This rank's cumulative ``stats`` and ``share`` (see :meth:`update`) reduced over all ranks (a collective)."""
         self.reset()
         self.update(stats, share)
@@ -181,13 +184,13 @@ def summary_table(modules: Mapping[str, ORTModule]) -> str:
     return "\n".join(lines)
 
 
-def ran_in(stats: CacheStatistics) -> str:
+def ran_in(stats: ModuleStatistics) -> str:
     """Where a module's calls ran: ``"ONNX Runtime"``, ``"ONNX Runtime + PyTorch"`` or ``"PyTorch"``.
 
     Example:
-        >>> ran_in(CacheStatistics(graphs=0, graph_breaks=2))
+        >>> ran_in(ModuleStatistics(graphs=0, graph_breaks=2))
         'PyTorch'
-        >>> ran_in(CacheStatistics(graphs=1, forward_runs=3, fallback_ops=1))
+        >>> ran_in(ModuleStatistics(graphs=1, forward_runs=3, fallback_ops=1))
         'ONNX Runtime + PyTorch'
     """
     if stats.forward_runs == 0:

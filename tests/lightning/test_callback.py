@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_ort import ExportError, FallbackWarning, ORTCallback, ORTModule
-from lightning_ort.engine.capture.backend import CacheStatistics
+from lightning_ort.engine.capture.backend import ModuleStatistics
 from lightning_ort.lightning.callback import _check_precision
 from lightning_ort.lightning.metrics import ORTMetrics, onnx_runtime_share, summary_table, total_statistics
 from tests.custom_ops import CustomOpMLP
@@ -51,7 +51,7 @@ def test_metrics_reach_callback_metrics_and_csv(tmp_path: Path) -> None:
     trainer.fit(model)
     metrics = trainer.callback_metrics
     assert isinstance(model.net, ORTModule)
-    assert float(metrics["ort/export_time_s"]) > 0
+    assert float(metrics["ort/export_seconds"]) > 0
     assert float(metrics["ort/cache_misses"]) == 2  # the training graph and the validation (eval) graph
     assert (float(metrics["ort/onnx_runtime_share"]), float(metrics["ort/graph_breaks"])) == (1.0, 0.0)
     rows = [r for r in _csv_rows(tmp_path) if r.get("ort/cache_hits")]
@@ -59,7 +59,7 @@ def test_metrics_reach_callback_metrics_and_csv(tmp_path: Path) -> None:
     assert len(hits) >= 6
     assert hits == sorted(hits) and hits[-1] > hits[0]
     assert {float(r["ort/cache_misses"]) for r in rows if r["step"] == "5"} <= {1.0, 2.0}
-    assert trainer.progress_bar_metrics.keys() >= {"ort/cache_hits", "ort/cache_misses", "ort/export_time_s"}
+    assert trainer.progress_bar_metrics.keys() >= {"ort/cache_hits", "ort/cache_misses", "ort/export_seconds"}
     stats = model.net.statistics
     assert stats.forward_runs > 0 and stats.backward_runs == 6 * 2, "6 steps, the block graph of 2 layers each"
     assert stats.block_graphs >= 2
@@ -97,9 +97,9 @@ def test_metrics_gather_every_rank_in_one_collective() -> None:
         return [tensor, other]
 
     metrics = ORTMetrics(dist_sync_fn=two_ranks, distributed_available_fn=lambda: True)
-    values = metrics.reduce(CacheStatistics(export_seconds=2.0, cache_hits=3, graph_ops=40))
+    values = metrics.reduce(ModuleStatistics(export_seconds=2.0, cache_hits=3, graph_ops=40))
     assert len(gathers) == 1
-    assert float(values["ort/export_time_s"]) == 3.0  # maximum over ranks
+    assert float(values["ort/export_seconds"]) == 3.0  # maximum over ranks
     assert float(values["ort/cache_hits"]) == 13.0  # sum over ranks
     assert float(values["ort/onnx_runtime_share"]) == 0.5  # minimum over ranks
 

@@ -57,7 +57,7 @@ log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
-class CacheStatistics(BuildCounts):
+class ModuleStatistics(BuildCounts):
     """What an :class:`~lightning_ort.ORTModule` spent building graphs and how often it reused and ran them.
 
     It holds the build times and counts of :class:`~lightning_ort.BuildCounts` (``export_seconds``,
@@ -76,7 +76,7 @@ class CacheStatistics(BuildCounts):
         block_reuses: block instances served by a block graph built for another instance.
 
     Example:
-        >>> CacheStatistics(capture_seconds=1.0, export_seconds=2.0).build_seconds
+        >>> ModuleStatistics(capture_seconds=1.0, export_seconds=2.0).build_seconds
         3.0
     """
 
@@ -96,7 +96,7 @@ class CacheStatistics(BuildCounts):
         graph, and ``graph_breaks`` counts it instead.
 
         Example:
-            >>> CacheStatistics(graph_ops=90, fallback_ops=9, eager_ops=10).onnx_runtime_share
+            >>> ModuleStatistics(graph_ops=90, fallback_ops=9, eager_ops=10).onnx_runtime_share
             0.81
         """
         total = self.graph_ops + self.eager_ops
@@ -182,18 +182,16 @@ class ORTBackend:
         self._blocks.retire()
 
     def reset(self) -> None:
-        """Forget the graphs built so far: ``torch._dynamo.reset()`` calls this for a backend passed to
-        ``torch.compile`` (their run counts stay in the statistics)."""
-        self.clear()
+        """Forget the graphs built so far (their run counts stay in the statistics).
 
-    def clear(self) -> None:
-        """Forget the graphs built so far (their run counts stay in the statistics)."""
+        ``torch._dynamo.reset()`` calls this for a backend passed to ``torch.compile``, and
+        :meth:`~lightning_ort.ORTModule.clear_cache` for its model's."""
         self._retired_runs = self._run_counts()
         self._graphs.clear()
-        self._blocks.clear()
+        self._blocks.reset()
         self._names = GraphNames()
 
-    def statistics(self, calls: tuple[int, int] | None = None) -> CacheStatistics:
+    def statistics(self, calls: tuple[int, int] | None = None) -> ModuleStatistics:
         """The statistics so far.
 
         Args:
@@ -205,7 +203,7 @@ class ORTBackend:
         counts = dataclasses.asdict(self._log.counts)
         if calls is None:
             counts.update(graph_breaks=None, recompile_limit_hits=None)
-        return CacheStatistics(
+        return ModuleStatistics(
             cache_hits=calls[0] if calls is not None else None,
             cache_misses=calls[1] if calls is not None else None,
             cached_graphs=len(self._graphs),
@@ -265,7 +263,7 @@ class EntryPoint:
         """Release every backend's graphs and sessions (``torch._dynamo.reset()`` calls this)."""
         with self._lock:
             for backend in self._backends.values():
-                backend.clear()
+                backend.reset()
             self._backends.clear()
 
 

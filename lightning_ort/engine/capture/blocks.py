@@ -170,10 +170,13 @@ def _checkpointed_block_forward(forward: Callable[..., Any], module: nn.Module, 
     return torch.utils.checkpoint.checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
 
 
-def unmark_blocks(model: nn.Module) -> None:
-    """Give every block :func:`mark_blocks` marked in ``model`` its class's ``forward`` back."""
+def unmark_blocks(model: nn.Module, classes: Iterable[type[nn.Module]] | None = None) -> None:
+    """Give the blocks :func:`mark_blocks` marked in ``model`` their class's ``forward`` back: all of them, or
+    the instances of ``classes``."""
+    kinds = tuple(classes) if classes is not None else (nn.Module,)
     for module in model.modules():
-        _unmark(module)
+        if isinstance(module, kinds):
+            _unmark(module)
 
 
 @contextlib.contextmanager
@@ -222,13 +225,6 @@ def uncaptured_block(error: BaseException, classes: Sequence[type[nn.Module]]) -
             if frame.lineno is not None and code.co_firstlineno <= frame.lineno <= max(lines, default=0):
                 return cls
     return None
-
-
-def unmark_class(model: nn.Module, cls: type[nn.Module]) -> None:
-    """Give the marked instances of ``cls`` in ``model`` their class's ``forward`` back."""
-    for module in model.modules():
-        if isinstance(module, cls):
-            _unmark(module)
 
 
 def _mark(module: nn.Module, forward: Callable[..., Any]) -> None:
@@ -327,7 +323,7 @@ class BlockGraphs:
         """``(kind, runner)`` of every block graph built so far."""
         return list(self._built)
 
-    def clear(self) -> None:
+    def reset(self) -> None:
         """Forget the runners (the counts stay)."""
         self._reusable.clear()
         self._built.clear()

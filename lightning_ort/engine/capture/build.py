@@ -63,7 +63,7 @@ class BuildOptions:
 class BuildCounts:
     """What building graphs cost and how it went: the counts that capture and export add up.
 
-    :class:`~lightning_ort.CacheStatistics` extends these with the counts of calls and runs.
+    :class:`~lightning_ort.ModuleStatistics` extends these with the counts of calls and runs.
 
     Attributes:
         capture_seconds: wall time spent in AOTAutograd (tracing, decomposition, forward/backward partitioning)

@@ -40,16 +40,8 @@ from lightning_ort.engine.fx.noise import Noise, lift_random_ops
 from lightning_ort.engine.fx.passes import placeholders_first
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.passes import (
-    collapse_reshapes,
-    compute_bfloat16_in_float,
-    dequantize_scaled_masks,
-    drop_unused_initializers,
-    fuse_transposed_operands,
-    nchwc_block_size,
+    PASSES,
     simplify,
-    split_gemm_bias,
-    sum_rows_by_product,
-    use_nchwc_convolutions,
 )
 from lightning_ort.engine.torch_internals import (
     EXPORTER_STEPS,
@@ -138,30 +130,12 @@ def export_graph(
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
     on_cpu = device.type == "cpu"
-    widened = compute_bfloat16_in_float(model) if on_cpu else 0  # CPU kernels are float32
-    split = split_gemm_bias(model) if on_cpu else 0  # pays on CPU's Gemm only
-    fused = fuse_transposed_operands(model)
-    blocked = use_nchwc_convolutions(model, nchwc_block_size()) if on_cpu else 0
-    masks = dequantize_scaled_masks(model) if on_cpu else 0
-    row_sums = sum_rows_by_product(model) if on_cpu else 0
-    reshapes = collapse_reshapes(model)  # the passes above add reshapes too
-    unused = drop_unused_initializers(model)  # last: the passes above leave constants behind
+    done = {step.done: step.rewrite(model) for step in PASSES if on_cpu or not step.cpu_only}
     log.debug(
-        "exported %s graph: %d nodes (%d bfloat16 ops computed in float32, %d reshapes removed, "
-        "%d biases split from Gemm, "
-        "%d transposed matmul operands fused, %d convolutions on NCHWc kernels, %d masks scaled by "
-        "DequantizeLinear, %d row sums as products, %d unused initializers dropped), "
-        "%d inputs, %d outputs",
+        "exported %s graph: %d nodes (%s), %d inputs, %d outputs",
         name,
         len(model.graph.node),
-        widened,
-        reshapes,
-        split,
-        fused,
-        blocked,
-        masks,
-        row_sums,
-        unused,
+        ", ".join(f"{count} {what}" for what, count in done.items()),
         len(inputs),
         len(outputs),
     )

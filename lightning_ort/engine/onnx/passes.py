@@ -30,6 +30,7 @@ import math
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,26 @@ from onnx_ir.passes import common as common_passes
 
 from lightning_ort.engine.once import Once
 from lightning_ort.logs import get_logger
+
+
+@dataclass(frozen=True)
+class OnnxPass:
+    """One rewrite of an exported graph, in place: what it does in the log, and whether it pays on CPU only.
+
+    Args:
+        done: what one rewrite is, for the export's DEBUG log (``"reshapes removed"``).
+        rewrite: the pass: takes the model, returns how many rewrites it made.
+        cpu_only: run on graphs for the CPU provider only.
+    """
+
+    done: str
+    rewrite: Callable[[onnx.ModelProto], int]
+    cpu_only: bool = False
+
+
+def _nchwc_convolutions(model: onnx.ModelProto) -> int:
+    return use_nchwc_convolutions(model, nchwc_block_size())
+
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
 """ONNX Runtime graph optimizers our sessions turn off (see the module docstring)."""
@@ -104,7 +125,7 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
     rewritten = 0
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        if node.op_type == "MatMul" and node.domain == "":
+        if node.op_type == "MatMul" and _in_default_domain(node):
             left, right = (_swapping_transpose(producers.get(name)) for name in node.input[:2])
             if not _left_fusion_pays(shapes.get(node.input[0]), shapes.get(node.input[1])):
                 left = None
@@ -127,8 +148,7 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
         return 0
     used = _read_names(nodes, graph)
     kept = [n for n in nodes if n.op_type != "Transpose" or any(output in used for output in n.output)]
-    del graph.node[:]
-    graph.node.extend(kept)
+    _set_nodes(graph, kept)
     if not any(opset.domain == _MICROSOFT for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(_MICROSOFT, 1))
     return rewritten
@@ -181,7 +201,7 @@ def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
         if node.op_type == "CastLike" and writes_bf16:  # a cast to bfloat16 whose target is now float32
             node = helper.make_node("Cast", node.input[:1], node.output, node.name, to=bf16)
         nodes.append(node)
-        if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+        if node.op_type == "Cast" and _in_default_domain(node):
             for index in writes_bf16:
                 widen(node.output[index])
             continue
@@ -201,8 +221,7 @@ def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
         helper.make_tensor_value_info(renamed, float32, list(values[name].dims) if name in values else None)
         for name, renamed in in_float.items()
     )
-    del graph.node[:]
-    graph.node.extend(nodes)
+    _set_nodes(graph, nodes)
     return moved
 
 
@@ -258,7 +277,7 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         node.input[:] = [readers_of.get(name, name) for name in node.input]
-        if node.op_type in _RESHAPING and node.domain in ("", "ai.onnx"):
+        if node.op_type in _RESHAPING and _in_default_domain(node):
             source, result = node.input[0], node.output[0]
             before, after = values.get(source), values.get(result)
             dims = before.dims if before is not None else (None,)
@@ -281,8 +300,7 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
     if removed:
         defined = {name for node in nodes for name in node.output}
         _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
-        del graph.node[:]
-        graph.node.extend(nodes)
+        _set_nodes(graph, nodes)
     return removed
 
 
@@ -337,8 +355,7 @@ def split_gemm_bias(model: onnx.ModelProto) -> int:
         nodes.append(helper.make_node("Add", [product, bias], list(node.output), f"{node.name}_bias"))
         rewritten += 1
     if rewritten:
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
+        _set_nodes(model.graph, nodes)
     return rewritten
 
 
@@ -348,7 +365,8 @@ def dequantize_scaled_masks(model: onnx.ModelProto) -> int:
 
     Dropout's saved one-byte keep mask is scaled this way in the forward and in the backward graph
     (:func:`lightning_ort.engine.fx.replacements.dropout`). ONNX Runtime's CPU ``DequantizeLinear`` is vectorised
-    and about twice as fast as its ``Cast`` from ``uint8`` and the product. Only a ``Cast`` whose one
+    and faster than its ``Cast`` from ``uint8`` and the product (``python -m lightning_ort.bench --profile DIR``
+    shows both per op type). Only a ``Cast`` whose one
     reader is the product is folded. Returns the number of products rewritten.
 
     Example:
@@ -389,8 +407,7 @@ def dequantize_scaled_masks(model: onnx.ModelProto) -> int:
                 break
     if dequantized:
         nodes = [dequantized.get(node.output[0], node) for node in graph.node if node.output[0] not in folded_casts]
-        del graph.node[:]
-        graph.node.extend(nodes)
+        _set_nodes(graph, nodes)
     return len(dequantized)
 
 
@@ -446,8 +463,7 @@ def sum_rows_by_product(model: onnx.ModelProto) -> int:
             nodes.append(helper.make_node("Reshape", [sums, result_shape], list(node.output), f"{prefix}_reshape"))
         rewritten += 1
     if rewritten:
-        del graph.node[:]
-        graph.node.extend(nodes)
+        _set_nodes(graph, nodes)
         used = _read_names(nodes, graph)
         kept = [init for init in graph.initializer if init.name in used]  # the reductions' axes are not
         del graph.initializer[:]
@@ -531,8 +547,7 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
         ]
         rewritten += 1
     if rewritten:
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
+        _set_nodes(model.graph, nodes)
         model.graph.initializer.extend(initializers)
         if not any(opset.domain == _NCHWC for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(_NCHWC, 1))
@@ -656,6 +671,17 @@ def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
+def _set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """Make ``nodes`` the nodes of ``graph``, in their order: how every rewrite here ends."""
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def _in_default_domain(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a standard ONNX op (its domain is empty or ``ai.onnx``), not a contrib op."""
+    return node.domain in ("", "ai.onnx")
+
+
 def _read_names(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> set[str]:
     """Names that ``nodes`` read or that ``graph`` outputs: what must stay defined after a rewrite."""
     return {name for node in nodes for name in node.input} | {output.name for output in graph.output}
@@ -687,3 +713,18 @@ def _swapping_transpose(node: onnx.NodeProto | None) -> onnx.NodeProto | None:
         return None
     rank = len(perm)
     return node if perm == [*range(rank - 2), rank - 1, rank - 2] else None
+
+
+PASSES = (
+    OnnxPass("bfloat16 ops computed in float32", compute_bfloat16_in_float, cpu_only=True),
+    OnnxPass("biases split from Gemm", split_gemm_bias, cpu_only=True),
+    OnnxPass("transposed matmul operands fused", fuse_transposed_operands),
+    OnnxPass("convolutions on NCHWc kernels", _nchwc_convolutions, cpu_only=True),
+    OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, cpu_only=True),
+    OnnxPass("row sums as products", sum_rows_by_product, cpu_only=True),
+    OnnxPass("reshapes removed", collapse_reshapes),
+    OnnxPass("unused initializers dropped", drop_unused_initializers),
+)
+"""The rewrites of every exported graph, in order: reshapes are collapsed after the passes that add some, and
+initializers dropped last, after the passes that leave constants unread. Their effect on speed is measured by
+``python -m lightning_ort.bench`` (nodes run per step, and per op type with ``--profile DIR``)."""
