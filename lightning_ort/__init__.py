@@ -43,7 +43,14 @@ from lightning_ort.errors import (
 )
 from lightning_ort.lightning.config import ORTConfig
 from lightning_ort.module import ORTModule
-from lightning_ort.options import DebugOptions, Fallback, LogLevel, OptimizationLevel, SessionSettings
+from lightning_ort.options import (
+    DebugOptions,
+    Fallback,
+    LogLevel,
+    ModuleOptions,
+    OptimizationLevel,
+    SessionSettings,
+)
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -125,6 +132,7 @@ else:
 __all__ = [
     "BlockError",
     "BuildCounts",
+    "ModuleOptions",
     "ModuleStatistics",
     "CaptureError",
     "DebugOptions",

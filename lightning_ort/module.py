@@ -20,7 +20,6 @@ from typing_extensions import override
 from lightning_ort.deployment import DeployedModel, DynamicShapes, export_for_deployment
 from lightning_ort.engine.capture.backend import DynamoEvents, ModuleStatistics, ORTBackend, tracing_settings
 from lightning_ort.engine.capture.blocks import (
-    BlockSpec,
     mark_blocks,
     marked_blocks,
     resolve_blocks,
@@ -33,13 +32,7 @@ from lightning_ort.engine.runtime.profiling import KernelProfile, read_profiles
 from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic, uncaptured_reason
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.logs import get_logger, model_log_level
-from lightning_ort.options import (
-    DebugOptions,
-    Fallback,
-    SessionSettings,
-    parse_fallback,
-    refuse_static_with_dynamic_axes,
-)
+from lightning_ort.options import BlockSpec, DebugOptions, Fallback, ModuleOptions, SessionSettings
 
 log = get_logger(__name__)
 
@@ -129,6 +122,40 @@ class ORTModule(nn.Module):
         blocks: Sequence[BlockSpec] | str | None = None,
         dynamic_axes: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
+        options = ModuleOptions.checked(
+            debug_options=debug_options,
+            session_settings=session_settings,
+            fallback=fallback,
+            cache_dir=cache_dir,
+            dynamic=dynamic,
+            blocks=blocks,
+            dynamic_axes=dynamic_axes,
+        )
+        self._wrap(module, options)
+
+    @classmethod
+    def with_options(cls, module: nn.Module, *, options: ModuleOptions) -> ORTModule:
+        """Wrap ``module`` with options checked already (:meth:`ModuleOptions.checked`), checking none again.
+
+        The Lightning side checks its options once, when a strategy or ``ORTCallback`` is made, and wraps each
+        network this way.
+
+        Example:
+            >>> options = ModuleOptions.checked(fallback="raise")
+            >>> ORTModule.with_options(nn.Linear(4, 2), options=options).fallback
+            'raise'
+        """
+        wrapped = cls.__new__(cls)
+        wrapped._wrap(module, options)
+        return wrapped
+
+    def _wrap(self, module: nn.Module, options: ModuleOptions) -> None:
+        """Wrap ``module``: what depends on it (its block classes, its ``forward``'s parameters) is resolved here.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            ORTModuleError: ``module`` is an ORTModule already, or a ``DistributedDataParallel``.
+        """
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
         if isinstance(module, ORTModule):
@@ -138,29 +165,25 @@ class ORTModule(nn.Module):
                 f"ORTModule must wrap the model before {type(module).__name__} does: "
                 "use DistributedDataParallel(ORTModule(model)). DataParallel is not supported."
             )
-        fallback = parse_fallback(fallback)
-        if not isinstance(dynamic, (bool, type(None))):
-            raise TypeError(f"ORTModule(dynamic={dynamic!r}): dynamic must be True, False or None (automatic).")
-        axes = DynamicAxes.checked(module, dynamic_axes, dynamic)
-        block_classes = resolve_blocks(module, blocks)
-        if dynamic is True and block_classes:
+        axes = DynamicAxes.checked(module, options.dynamic_axes)
+        block_classes = resolve_blocks(module, options.blocks)
+        if options.dynamic is True and block_classes:
             # Every dimension and float symbolic from the start: TorchDynamo passes float attributes (a
             # LayerNorm's eps) into block regions in a form their subgraphs cannot read.
             log.info("%s: dynamic=True captures without block graphs", type(module).__name__)
             block_classes = []
         super().__init__()
-        debug = debug_options if debug_options is not None else DebugOptions()
         object.__setattr__(self, "_original_module", module)
         for name in _SHARED_STATE:
             self.__dict__[name] = module.__dict__[name]
         self.training = module.training
         self._build_options = BuildOptions(
-            session_settings if session_settings is not None else SessionSettings(),
-            debug,
-            fallback,
-            DiskCache(cache_dir) if cache_dir is not None else None,
+            options.session_settings,
+            options.debug_options,
+            options.fallback,
+            DiskCache(options.cache_dir) if options.cache_dir is not None else None,
         )
-        self._dynamic = dynamic
+        self._dynamic = options.dynamic
         self._dynamic_axes = axes
         self._blocks = tuple(block_classes)
         mark_blocks(module, block_classes)
@@ -529,7 +552,7 @@ class DynamicAxes:
     ``forward``'s signature is read once, when the module is wrapped, not on every call.
 
     Example:
-        >>> DynamicAxes.checked(nn.Linear(4, 2), {"input": [0]}, dynamic=None).axes
+        >>> DynamicAxes.checked(nn.Linear(4, 2), {"input": (0,)}).axes
         {'input': (0,)}
     """
 
@@ -537,24 +560,16 @@ class DynamicAxes:
     axes: dict[str, tuple[int, ...]]
 
     @classmethod
-    def checked(
-        cls, module: nn.Module, dynamic_axes: Mapping[str, Sequence[int]] | None, dynamic: bool | None
-    ) -> DynamicAxes | None:
-        """``dynamic_axes`` checked against ``module.forward``'s parameters; ``None`` when there are none.
+    def checked(cls, module: nn.Module, dynamic_axes: Mapping[str, tuple[int, ...]] | None) -> DynamicAxes | None:
+        """``dynamic_axes`` (checked by :meth:`ModuleOptions.checked`) against ``module.forward``'s parameters;
+        ``None`` when there are none.
 
         Raises:
-            TypeError: ``dynamic_axes`` is not a mapping.
-            ValueError: a name is not a parameter of ``forward``, an axis is not an integer, or ``dynamic=False``.
+            ValueError: a name is not a parameter of ``forward``.
         """
         if not dynamic_axes:
             return None
         owner = type(module).__name__
-        if not isinstance(dynamic_axes, Mapping):
-            raise TypeError(
-                f"ORTModule(dynamic_axes={dynamic_axes!r}): pass a mapping from {owner}.forward's parameter names "
-                'to axes, such as {"input_ids": [0, 1]}.'
-            )
-        refuse_static_with_dynamic_axes(dynamic, dynamic_axes)
         signature = inspect.signature(module.forward)
         parameters = signature.parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -564,15 +579,7 @@ class DynamicAxes:
                 f"ORTModule(dynamic_axes=...): {unknown} are not parameters of {owner}.forward; its parameters are "
                 f"{list(parameters)}."
             )
-        axes: dict[str, tuple[int, ...]] = {}
-        for name, dims in dynamic_axes.items():
-            listed = [dims] if isinstance(dims, int) else list(dims)
-            if not all(isinstance(d, int) and not isinstance(d, bool) for d in listed):
-                raise ValueError(
-                    f"ORTModule(dynamic_axes={{{name!r}: {dims!r}}}): axes must be integers, such as [0, 1]."
-                )
-            axes[name] = tuple(listed)
-        return cls(signature, axes)
+        return cls(signature, dict(dynamic_axes))
 
     def mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Mark the axes of this call's tensor arguments symbolic for TorchDynamo (where it can)."""

@@ -11,12 +11,14 @@ import enum
 import logging
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import onnxruntime as ort
 import torch
+from torch import nn
 
 OptimizationLevel = Literal["disable", "basic", "extended", "all"]
 """ONNX Runtime's graph optimization levels, by name."""
@@ -300,3 +302,101 @@ def argument_type_error(name: str, value: object, accepted: str) -> TypeError:
 
 
 PROVIDERS_ACCEPTED = "a list of execution provider names (['CPUExecutionProvider']) or None"
+
+
+BlockSpec = str | type[nn.Module]
+"""A block class, or its name (``"GPT2Block"``, or with its module path)."""
+
+
+@dataclass(frozen=True)
+class ModuleOptions:
+    """Every option of an :class:`~lightning_ort.ORTModule`, checked once by :meth:`checked`.
+
+    ``ORTModule(...)`` checks its arguments through it, and the Lightning side (:class:`~lightning_ort.ORTConfig`)
+    checks the strategies' and the callback's once, when they are made, then wraps each network with
+    :meth:`ORTModule.with_options <lightning_ort.ORTModule.with_options>`, which checks nothing again. What
+    depends on the wrapped module (the block classes it holds, the parameters its ``forward`` takes) is resolved
+    when it is wrapped.
+
+    Example:
+        >>> options = ModuleOptions.checked(fallback="raise", dynamic_axes={"input_ids": [0, 1]})
+        >>> options.fallback, options.dynamic_axes
+        ('raise', {'input_ids': (0, 1)})
+    """
+
+    debug_options: DebugOptions = field(default_factory=DebugOptions)
+    session_settings: SessionSettings = field(default_factory=SessionSettings)
+    fallback: Fallback = "auto"
+    cache_dir: Path | None = None
+    dynamic: bool | None = None
+    blocks: tuple[BlockSpec, ...] | Literal["auto"] | None = None
+    dynamic_axes: dict[str, tuple[int, ...]] | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        debug_options: DebugOptions | None = None,
+        session_settings: SessionSettings | None = None,
+        fallback: str = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        dynamic: bool | None = None,
+        blocks: Sequence[BlockSpec] | str | None = None,
+        dynamic_axes: Mapping[str, Sequence[int] | int] | None = None,
+    ) -> ModuleOptions:
+        """The options, each checked and in one form.
+
+        Raises:
+            TypeError: an option of the wrong type (the error names it and what it takes).
+            ValueError: an unknown fallback, an axis that is not an integer, or ``dynamic=False`` with
+                ``dynamic_axes``.
+        """
+        if debug_options is not None and not isinstance(debug_options, DebugOptions):
+            raise argument_type_error("debug_options", debug_options, "a DebugOptions or None")
+        if session_settings is not None and not isinstance(session_settings, SessionSettings):
+            raise argument_type_error("session_settings", session_settings, "a SessionSettings or None")
+        if not isinstance(dynamic, (bool, type(None))):
+            raise argument_type_error("dynamic", dynamic, "True, False or None (automatic)")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise argument_type_error("cache_dir", cache_dir, "a folder path (str or pathlib.Path) or None")
+        return cls(
+            debug_options if debug_options is not None else DebugOptions(),
+            session_settings if session_settings is not None else SessionSettings(),
+            parse_fallback(fallback),
+            Path(cache_dir) if cache_dir is not None else None,
+            dynamic,
+            _block_specs(blocks),
+            _axes(dynamic_axes, dynamic),
+        )
+
+
+def _block_specs(blocks: Sequence[BlockSpec] | str | None) -> tuple[BlockSpec, ...] | Literal["auto"] | None:
+    """``blocks`` as ``None``, ``"auto"`` or a tuple of classes and class names."""
+    if blocks is None:
+        return None
+    if blocks == "auto":
+        return "auto"
+    specs = (blocks,) if isinstance(blocks, (str, type)) else tuple(blocks)
+    if not all(isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, nn.Module)) for spec in specs):
+        raise argument_type_error("blocks", blocks, "'auto', None, or nn.Module classes or their names")
+    return specs
+
+
+def _axes(
+    dynamic_axes: Mapping[str, Sequence[int] | int] | None, dynamic: bool | None
+) -> dict[str, tuple[int, ...]] | None:
+    """``dynamic_axes`` with each parameter's axes as a tuple of ints; ``None`` for none."""
+    if not dynamic_axes:
+        return None
+    if not isinstance(dynamic_axes, Mapping):
+        raise TypeError(
+            f"dynamic_axes={dynamic_axes!r}: pass a mapping from forward's parameter names to axes, such as "
+            '{"input_ids": [0, 1]}.'
+        )
+    refuse_static_with_dynamic_axes(dynamic, dynamic_axes)
+    axes: dict[str, tuple[int, ...]] = {}
+    for name, dims in dynamic_axes.items():
+        listed = [dims] if isinstance(dims, int) else list(dims)
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in listed):
+            raise ValueError(f"dynamic_axes={{{name!r}: {dims!r}}}: axes must be integers, such as [0, 1].")
+        axes[name] = tuple(listed)
+    return axes

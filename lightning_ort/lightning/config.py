@@ -15,10 +15,12 @@ import dataclasses
 import inspect
 import os
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+from torch import nn
 
 from lightning_ort.deployment import ExportSpec, check_export_target
 from lightning_ort.options import (
@@ -26,12 +28,10 @@ from lightning_ort.options import (
     DebugOptions,
     Fallback,
     LogLevel,
+    ModuleOptions,
     OptimizationLevel,
     SessionSettings,
     argument_type_error,
-    parse_fallback,
-    parse_log_level,
-    refuse_static_with_dynamic_axes,
     require_type,
 )
 
@@ -113,15 +113,12 @@ class ORTConfig:
     export_onnx: str | os.PathLike[str] | ExportSpec | None = None
     log_metrics: bool = True
     prog_bar: bool = False
-    debug_options: DebugOptions = field(init=False, repr=False, compare=False)
-    session_settings: SessionSettings = field(init=False, repr=False, compare=False)
+    module_options: ModuleOptions = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         require_type(self, "log_metrics", bool, "True or False")
         require_type(self, "prog_bar", bool, "True or False")
-        require_type(self, "dynamic", (bool, type(None)), "True, False or None (automatic)")
         require_type(self, "dynamic_axes", (dict, type(None)), "a dict of parameter names to axes, or None")
-        refuse_static_with_dynamic_axes(self.dynamic, self.dynamic_axes)
         require_type(
             self,
             "export_onnx",
@@ -131,38 +128,48 @@ class ORTConfig:
         if self.providers is not None and not isinstance(self.providers, (str, Sequence)):
             raise argument_type_error("providers", self.providers, PROVIDERS_ACCEPTED)
         providers = _names(self.providers) or None
-        normalised = {
-            "modules": _names(self.modules),
-            "providers": providers,
-            "log_level": parse_log_level(self.log_level),
-            "fallback": parse_fallback(self.fallback),
-            "blocks": self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
-            "export_onnx": _export_spec(self.export_onnx),
-        }
-        for name, value in normalised.items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(
-            self,
-            "debug_options",
-            DebugOptions(
+        options = ModuleOptions.checked(
+            debug_options=DebugOptions(
                 save_onnx=self.save_onnx,
                 log_level=self.log_level,
                 onnx_prefix=self.onnx_prefix,
                 save_path=self.save_path if self.save_path is not None else os.getcwd(),
                 profile=self.profile,
             ),
-        )
-        object.__setattr__(
-            self,
-            "session_settings",
-            SessionSettings(
+            session_settings=SessionSettings(
                 providers=providers,
                 optimization_level=self.optimization_level,
                 intra_op_num_threads=self.intra_op_num_threads,
                 allow_spinning=self.allow_spinning,
                 release_torch_threads=self.release_torch_threads,
             ),
+            fallback=self.fallback,
+            cache_dir=self.cache_dir,
+            dynamic=self.dynamic,
+            blocks=self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
+            dynamic_axes=self.dynamic_axes,
         )
+        normalised = {
+            "modules": _names(self.modules),
+            "providers": providers,
+            "log_level": options.debug_options.log_level,
+            "fallback": options.fallback,
+            "blocks": options.blocks,
+            "export_onnx": _export_spec(self.export_onnx),
+            "module_options": options,
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def debug_options(self) -> DebugOptions:
+        """The wrapped networks' debug options, before each adds its path to ``onnx_prefix``."""
+        return self.module_options.debug_options
+
+    @property
+    def session_settings(self) -> SessionSettings:
+        """The wrapped networks' ONNX Runtime session settings."""
+        return self.module_options.session_settings
 
     @classmethod
     def argument_names(cls) -> tuple[str, ...]:
@@ -210,6 +217,22 @@ class ORTConfig:
         """Debug options of the submodule at ``path``: its saved files are named ``<onnx_prefix>_<path>_*.onnx``."""
         prefix = f"{self.onnx_prefix}_{path}" if self.onnx_prefix else path
         return dataclasses.replace(self.debug_options, onnx_prefix=prefix)
+
+    def options_for(
+        self,
+        path: str,
+        blocks: Sequence[type[nn.Module]],
+        dynamic_axes: Mapping[str, tuple[int, ...]] | None,
+    ) -> ModuleOptions:
+        """The options of the network at ``path``, checked already: its file prefix, block classes and share of
+        ``dynamic_axes`` (resolved across the wrapped networks by :func:`~lightning_ort.lightning.wrapping.
+        wrap_submodules`)."""
+        return dataclasses.replace(
+            self.module_options,
+            debug_options=self.debug_options_for(path),
+            blocks=tuple(blocks),
+            dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
+        )
 
 
 def _export_spec(target: str | os.PathLike[str] | ExportSpec | None) -> ExportSpec | None:

@@ -16,6 +16,7 @@ from lightning_ort.engine.capture.blocks import resolve_blocks
 from lightning_ort.engine.torch_internals import LossBase
 from lightning_ort.lightning.config import ORTConfig
 from lightning_ort.module import ORTModule
+from lightning_ort.options import BlockSpec
 
 
 def default_module_names(root: nn.Module) -> list[str]:
@@ -49,24 +50,18 @@ def wrap_submodules(root: nn.Module, config: ORTConfig, missing_ok: bool = False
         if not isinstance(module, ORTModule):
             targets.append((parent, attribute, module))
             target_paths.append(path)
-    blocks = _blocks_per_target([module for _, _, module in targets], config.blocks)
-    axes = _dynamic_axes_per_target([module for _, _, module in targets], target_paths, config.dynamic_axes)
+    options = config.module_options
+    blocks = _blocks_per_target([module for _, _, module in targets], options.blocks)
+    axes = _dynamic_axes_per_target([module for _, _, module in targets], target_paths, options.dynamic_axes)
     for (parent, attribute, module), path, block_classes, dynamic_axes in zip(targets, target_paths, blocks, axes):
-        wrapped = ORTModule(
-            module,
-            config.debug_options_for(path),
-            config.session_settings,
-            config.fallback,
-            config.cache_dir,
-            config.dynamic,
-            block_classes,
-            dynamic_axes,
-        )
+        wrapped = ORTModule.with_options(module, options=config.options_for(path, block_classes, dynamic_axes))
         setattr(parent, attribute, wrapped)
     return wrapped_submodules(root)
 
 
-def _blocks_per_target(modules: Sequence[nn.Module], blocks: Sequence[str] | str | None) -> list[list[type[nn.Module]]]:
+def _blocks_per_target(
+    modules: Sequence[nn.Module], blocks: Sequence[BlockSpec] | str | None
+) -> list[list[type[nn.Module]]]:
     """The block classes of each module; a named class no module holds is an error listing the repeated ones."""
     if blocks is None or blocks == "auto":
         return [resolve_blocks(module, blocks) for module in modules]
@@ -77,8 +72,8 @@ def _blocks_per_target(modules: Sequence[nn.Module], blocks: Sequence[str] | str
 
 
 def _dynamic_axes_per_target(
-    modules: Sequence[nn.Module], paths: Sequence[str], dynamic_axes: Mapping[str, Sequence[int]] | None
-) -> list[dict[str, Sequence[int]] | None]:
+    modules: Sequence[nn.Module], paths: Sequence[str], dynamic_axes: Mapping[str, tuple[int, ...]] | None
+) -> list[dict[str, tuple[int, ...]] | None]:
     """Each module's share of ``dynamic_axes``: the names its ``forward`` takes.
 
     Raises:

@@ -483,8 +483,8 @@ def break_advice(reason: str, stack: Sequence[traceback.FrameSummary] = ()) -> s
         caller = next((frame for frame in reversed(stack) if not _in_library(frame.filename)), stack[0])
         return (
             f"The break is inside library code ({stack[-1].name} at {_frame_line(stack[-1])}), reached from "
-            f"{_frame_line(caller)}: the arguments passed there decide whether it breaks (look for an option of that "
-            "library that avoids the Python branch); otherwise that code runs correctly in PyTorch."
+            f"{_frame_line(caller)}: what is passed there decides what that code does (look for an argument or a "
+            "setting of that library that avoids the break); otherwise that code runs correctly in PyTorch."
         )
     lowered = reason.lower()
     if "sparse" in lowered:

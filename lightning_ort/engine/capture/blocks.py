@@ -25,11 +25,9 @@ from torch import nn
 from lightning_ort.engine.torch_internals import INVOKE_SUBGRAPH, nested_compile_region
 from lightning_ort.errors import BlockError
 from lightning_ort.logs import get_logger
+from lightning_ort.options import BlockSpec
 
 log = get_logger(__name__)
-
-BlockSpec = str | type[nn.Module]
-"""A block class, or its name (``"GPT2Block"``)."""
 
 _MARK = "_lightning_ort_block_forward"
 """Instance attribute set on every marked block: its wrapped ``forward``, to recognize and remove it."""
