@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -103,10 +104,15 @@ def test_training_under_each_strategy_leaves_the_process_as_it_was(strategy: str
         default_root_dir=tmp_path,
         callbacks=[Watch()],
     )
-    trainer.fit(TinyTransformerLM())
+    environment = dict(os.environ)  # Lightning sets MASTER_PORT and the like for its process group
+    try:
+        trainer.fit(TinyTransformerLM())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
     assert during and all(seen == (before[4], before[5]) for seen in during), "no filter while training either"
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     assert _globals() == before
     _same_loggers(loggers, _loggers())
 

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -432,7 +433,7 @@ class DynamoEvents:
                 for reason, count in counters["graph_break"].items()
                 for _ in range(count - self._breaks.get(reason, 0))
             ]
-        own = os.path.dirname(os.path.dirname(__file__)) + os.sep
+        own = _PACKAGE_FOLDER
         found = []
         for entry in recorded[self._recorded if len(recorded) >= self._recorded else 0 :]:
             stack = [frame for frame in entry.user_stack if not frame.filename.startswith(own)]
@@ -448,6 +449,10 @@ class DynamoEvents:
         if message not in self._backend.warned:
             self._backend.warned.add(message)
             warn(message, category)
+
+
+_PACKAGE_FOLDER = os.path.dirname(str(sys.modules[__name__.split(".")[0]].__file__)) + os.sep
+"""lightning_ort's own folder: its frames (ORTModule's entry point) are not the model's code."""
 
 
 def _frame_line(frame: traceback.FrameSummary) -> str:
