@@ -793,8 +793,12 @@ def _guards_on(module: nn.Module, example: _Example, spec: Any, index: int, axis
     for guard in getattr(shape_env, "guards", ()):
         if symbols and not guard.expr.free_symbols & symbols:
             continue
-        frame = getattr(guard.sloc, "framework_loc", None)
-        if isinstance(frame, traceback.FrameSummary):
+        user = getattr(getattr(guard, "sloc", None), "maybe_user_loc", None)
+        frame = getattr(getattr(guard, "sloc", None), "framework_loc", None)
+        if user:
+            text = re.sub(r"\b\w+\b", lambda m: named.get(m.group(0), m.group(0)), str(guard.expr))
+            found.append(f"guard `{text}` at {user}")
+        elif isinstance(frame, traceback.FrameSummary):
             text = re.sub(r"\b\w+\b", lambda m: named.get(m.group(0), m.group(0)), str(guard.expr))
             line = f" (`{frame.line.strip()}`)" if frame.line else ""
             found.append(f"guard `{text}` at {frame.filename}:{frame.lineno}{line}")
