@@ -98,6 +98,7 @@ class ScopedFilter(logging.Filter):
         self._lock = threading.Lock()
         self._open = 0
         self._attached: list[logging.Logger] = []
+        self._found: tuple[int, list[logging.Logger]] = (-1, [])
 
     @property
     def active(self) -> bool:
@@ -129,9 +130,15 @@ class ScopedFilter(logging.Filter):
         return not self.active or self._keep(record)
 
     def _loggers(self) -> list[logging.Logger]:
-        names = [
-            name
-            for name in list(logging.root.manager.loggerDict)
-            if any(name == prefix or name.startswith(prefix + ".") for prefix in self._prefixes)
-        ]
-        return [logging.getLogger(name) for name in {*names, *self._prefixes}]
+        """The loggers named ``prefixes`` or below them, found again only when loggers were added since."""
+        known = logging.root.manager.loggerDict
+        count, found = self._found
+        if count != len(known):
+            names = [
+                name
+                for name in list(known)
+                if any(name == prefix or name.startswith(prefix + ".") for prefix in self._prefixes)
+            ]
+            found = [logging.getLogger(name) for name in {*names, *self._prefixes}]
+            self._found = (len(known), found)
+        return found
