@@ -162,20 +162,20 @@ class ORTCallback(Callback):
                 f"{summary_table(wrapped_submodules(pl_module))}"
             )
         if should_update_logs(trainer):
-            self._log(pl_module, on_step=True)
+            self._log_metrics(pl_module, on_step=True)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, on_step=False)
+        self._log_metrics(pl_module, on_step=False)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._log(pl_module, on_step=False)
+            self._log_metrics(pl_module, on_step=False)
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(pl_module, on_step=False)
+        self._log_metrics(pl_module, on_step=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -190,7 +190,7 @@ class ORTCallback(Callback):
                     f"first; totals):\n{profile.format_table()}\nfiles: {', '.join(map(str, profile.files))}"
                 )
 
-    def _log(self, pl_module: pl.LightningModule, on_step: bool) -> None:
+    def _log_metrics(self, pl_module: pl.LightningModule, on_step: bool) -> None:
         if not self._config.log_metrics:
             return
         modules = wrapped_submodules(pl_module)

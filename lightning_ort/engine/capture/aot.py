@@ -115,7 +115,7 @@ class CapturedGraph:
         self._device = _graph_device(example_inputs, owner)
         self._tag = tag
         self._options = options
-        self._log = build_log
+        self._build_log = build_log
         self._backward_failure: ExportError | SessionError | None = None
         self._symbolic = any(is_symbolic(value) for value in example_inputs)
         self._blocks = blocks if blocks is not None else BlockGraphs()
@@ -129,7 +129,7 @@ class CapturedGraph:
         A graph ONNX Runtime cannot build at all (an export failure that names no op) runs in PyTorch with a
         :class:`FallbackWarning`, or raises under ``fallback="raise"``.
         """
-        start, exported_before = time.perf_counter(), self._log.counts.export_seconds
+        start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
         substitute_functions(self._gm)
         backend = aot_autograd(
             fw_compiler=self._graph_compiler("forward"),
@@ -162,7 +162,7 @@ class CapturedGraph:
                     first_line(err),
                 )
                 return PerShapeGraphs(self)
-            self._log.add(eager_signatures=1, eager_ops=op_count(self._gm))
+            self._build_log.add(eager_signatures=1, eager_ops=op_count(self._gm))
             warn_fallback(
                 f"lightning_ort: {self._owner} runs in PyTorch for one of its graphs: ONNX Runtime could not build "
                 f"its graphs ({first_line(err)}). Run with DebugOptions(save_onnx=True, onnx_prefix='model', "
@@ -172,8 +172,8 @@ class CapturedGraph:
                 inline_blocks(self._gm)
             return self._gm.forward
         finally:
-            exported = self._log.counts.export_seconds - exported_before
-            self._log.add(capture_seconds=time.perf_counter() - start - exported)
+            exported = self._build_log.counts.export_seconds - exported_before
+            self._build_log.add(capture_seconds=time.perf_counter() - start - exported)
         return compiled
 
     def _compile_with_aot(self, backend: Callable[..., Any]) -> Callable[..., Any]:
@@ -200,17 +200,17 @@ class CapturedGraph:
         """This graph compiled for the static shapes of ``args`` (real call arguments); ``index`` names it."""
         tag = f"{self._tag}_static{index}" if self._tag else f"static{index}"
         static = CapturedGraph(
-            self._gm, list(args), self._owner, tag, self._options, self._log, self._blocks, self._names
+            self._gm, list(args), self._owner, tag, self._options, self._build_log, self._blocks, self._names
         )
         static.runners = self.runners
-        self._log.add(graphs=1)
+        self._build_log.add(graphs=1)
         return static.compile()
 
     def _graph_compiler(self, kind: str) -> AOTDispatchCompiler:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner:
             name = self._names.name(self._tag, kind)
             start = time.perf_counter()
-            with torch.random.fork_rng(devices=_rng_devices(self._device)), self._log.timed("export_seconds"):
+            with torch.random.fork_rng(devices=_rng_devices(self._device)), self._build_log.timed("export_seconds"):
                 try:
                     runner = self._builder.build(gm, example_inputs, name, kind)
                 except (ExportError, SessionError) as err:

@@ -130,7 +130,7 @@ class ORTBackend:
         self._owner = owner
         self._warned: set[str] = set()
         self._break_sites: set[tuple[tuple[str, int, int | None], ...]] = set()
-        self._log = BuildLog()
+        self._build_log = BuildLog()
         self._graphs: list[CapturedGraph] = []
         self._blocks = BlockGraphs()
         self._names = GraphNames()
@@ -153,7 +153,7 @@ class ORTBackend:
     @property
     def build_log(self) -> BuildLog:
         """Build time and counts so far (the ORTModule adds graph breaks and recompile-limit hits)."""
-        return self._log
+        return self._build_log
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         index = len(self._graphs)
@@ -166,10 +166,12 @@ class ORTBackend:
             f"; TorchDynamo recompiles because {reason}" if reason else "",
         )
         tag = str(index) if index else ""
-        graph = CapturedGraph(gm, example_inputs, self._owner, tag, self._options, self._log, self._blocks, self._names)
+        graph = CapturedGraph(
+            gm, example_inputs, self._owner, tag, self._options, self._build_log, self._blocks, self._names
+        )
         compiled = graph.compile()
         self._graphs.append(graph)
-        self._log.add(graphs=1)
+        self._build_log.add(graphs=1)
         return compiled
 
     def runners(self) -> Iterator[tuple[str, GraphRunner]]:
@@ -201,7 +203,7 @@ class ORTBackend:
                 (``cache_hits``, ``cache_misses``, ``graph_breaks``, ``recompile_limit_hits``) are ``None``.
         """
         forward, backward = self._run_counts()
-        counts = dataclasses.asdict(self._log.counts)
+        counts = dataclasses.asdict(self._build_log.counts)
         if calls is None:
             counts.update(graph_breaks=None, recompile_limit_hits=None)
         return ModuleStatistics(
@@ -351,7 +353,7 @@ class DynamoEvents:
 
     def __init__(self, backend: ORTBackend, owner: str, fallback: Fallback) -> None:
         self._backend = backend
-        self._log = backend.build_log
+        self._build_log = backend.build_log
         self._owner = owner
         self._fallback = fallback
         self._frames = 0
@@ -397,13 +399,13 @@ class DynamoEvents:
             self._warn(message)
         PENDING_WARNINGS.messages.clear()
         for reason, stack in self._new_breaks():
-            self._log.add(graph_breaks=1)
+            self._build_log.add(graph_breaks=1)
             if in_fsdp_hooks(stack):  # FSDP's hooks around a sharded block: its design, not a fallback
                 log.info("%s: TorchDynamo split the forward at FSDP's hooks (%s)", self._owner, _frame_line(stack[-1]))
                 continue
             rest = (
                 "the graphs on both sides run in ONNX Runtime"
-                if self._log.counts.graphs
+                if self._build_log.counts.graphs
                 else "TorchDynamo captured no graph, so nothing of it runs in ONNX Runtime"
             )
             where = f", at {_frame_line(stack[-1])}" if stack else ""
@@ -414,7 +416,7 @@ class DynamoEvents:
                 GraphBreakWarning,
             )
         for limit, value, function, reason in _limit_hits():
-            self._log.add(recompile_limit_hits=1)
+            self._build_log.add(recompile_limit_hits=1)
             self._warn(
                 f"lightning_ort: {self._owner}'s {function} runs in PyTorch from now on: TorchDynamo hit "
                 f"torch._dynamo.config.{limit} ({value}) recompiling it, last because {reason}. A value that "

@@ -171,7 +171,7 @@ class GraphBuilder:
         self._owner = owner
         self._device = device
         self._options = options
-        self._log = build_log
+        self._build_log = build_log
         self._blocks = blocks
         self._symbolic = symbolic
 
@@ -180,7 +180,7 @@ class GraphBuilder:
     ) -> GraphRunner:
         """A runner for ``gm`` (see :meth:`_runner_for`), its ops counted in ``graph_ops``."""
         runner = self._runner_for(gm, example_inputs, name, kind)
-        self._log.add(graph_ops=op_count(gm))
+        self._build_log.add(graph_ops=op_count(gm))
         return runner
 
     def _runner_for(
@@ -229,7 +229,7 @@ class GraphBuilder:
                 unsupported = {**unsupported, **self._blamed_nodes(gm, unsupported, err)}
                 continue
             if unsupported:
-                self._log.add(fallback_ops=len(unsupported))
+                self._build_log.add(fallback_ops=len(unsupported))
                 rest = (
                     f"The rest runs in ONNX Runtime ({len(sessions)} partition(s))"
                     if sessions
@@ -337,7 +337,7 @@ class GraphBuilder:
         key = disk.key(gm, example_inputs, self._device, providers_for(self._device, self._options.settings))
         graph = disk.load(key, name)
         if graph is not None:
-            self._log.add(disk_cache_loads=1)
+            self._build_log.add(disk_cache_loads=1)
         return key, graph
 
     def _export_and_store(
@@ -346,7 +346,7 @@ class GraphBuilder:
         """Export ``gm``; save it in the disk cache under ``key`` when there is one."""
         verbose = LogLevel(self._options.debug.log_level).ort_severity == 0
         graph = self._translate_to_onnx(gm, example_inputs, name, verbose, saved_from=gm.meta.get(SAVED_FROM))
-        self._log.add(onnx_exports=1)
+        self._build_log.add(onnx_exports=1)
         if key is not None and self._options.disk_cache is not None:
             self._options.disk_cache.store(key, graph)
         return graph
@@ -359,7 +359,7 @@ class GraphBuilder:
         verbose: bool,
         saved_from: int | None = None,
     ) -> ExportedGraph:
-        with self._log.timed("translation_seconds"):
+        with self._build_log.timed("translation_seconds"):
             try:
                 return export_graph(gm, example_inputs, name, verbose, saved_from)
             except LightningORTError:
@@ -371,7 +371,7 @@ class GraphBuilder:
                 ) from err
 
     def _open_session(self, graph: ExportedGraph) -> GraphSession:
-        with self._log.timed("session_seconds"):
+        with self._build_log.timed("session_seconds"):
             return GraphSession(graph, self._device, self._options.settings, self._options.debug)
 
 
