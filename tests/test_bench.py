@@ -172,7 +172,7 @@ def test_gpt2_workload_is_hugging_face_defaults_with_its_own_loss() -> None:
 def test_depth_study_times_first_steps_in_fresh_processes(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "depth.json"
-    args = ["--depth", "2", "--depth-width", "32", "--steps", "1", "--json", str(out)]
+    args = ["depth", "2", "--width", "32", "--steps", "1", "--json", str(out)]
     result = subprocess.run(
         [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
@@ -207,7 +207,7 @@ def test_shapes_report_counts_a_recompile_after_the_first_step() -> None:
 def test_shapes_study_trains_both_models_in_both_modes(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "shapes.json"
-    args = ["--shapes", "8", "12", "--shapes-layers", "1", "--depth-width", "32", "--steps", "2", "--json", str(out)]
+    args = ["shapes", "8", "12", "--layers", "1", "--width", "32", "--steps", "2", "--json", str(out)]
     result = subprocess.run(
         [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
@@ -226,7 +226,7 @@ def test_shapes_study_trains_both_models_in_both_modes(tmp_path: Path) -> None:
 def test_fsdp_study_shards_parameters_and_optimizer_state_over_the_ranks(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "fsdp.json"
-    args = ["--fsdp", "2", "--fsdp-layers", "2", "--depth-width", "32", "--steps", "1", "--json", str(out)]
+    args = ["fsdp", "2", "--layers", "2", "--width", "32", "--steps", "1", "--json", str(out)]
     result = subprocess.run(
         [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
@@ -238,3 +238,18 @@ def test_fsdp_study_shards_parameters_and_optimizer_state_over_the_ranks(tmp_pat
         assert memory["ort_fsdp"] == pytest.approx(memory["fsdp"])
     assert fsdp["ort_runs"] > 0
     assert "vs fsdp" in result.stdout
+
+
+def test_the_command_line_is_one_sub_command_per_study_with_no_hidden_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "{run,depth,shapes,fsdp}" in capsys.readouterr().out
+    for study in ("run", "depth", "shapes", "fsdp"):
+        with pytest.raises(SystemExit):
+            bench.main([study, "--help"])
+        assert "==SUPPRESS==" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--depth", "2"])  # the studies are sub-commands now
+    assert "unrecognized arguments: --depth" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 * :mod:`~lightning_ort.bench.runner`: the command line, and the training-step comparison of eager PyTorch,
   ``torch.compile`` (inductor) and ORTModule on each workload;
 * :mod:`~lightning_ort.bench.workloads`: the reference workloads and the ``--module`` factory contract;
-* :mod:`~lightning_ort.bench.depth`: ``--depth``, the first step against layer count;
-* :mod:`~lightning_ort.bench.shapes`: ``--shapes``, the build cost of each new padded length;
-* :mod:`~lightning_ort.bench.fsdp`: ``--fsdp``, sharded training against replicated.
+* :mod:`~lightning_ort.bench.depth`: ``depth``, the first step against layer count;
+* :mod:`~lightning_ort.bench.shapes`: ``shapes``, the build cost of each new padded length;
+* :mod:`~lightning_ort.bench.fsdp`: ``fsdp``, sharded training against replicated;
+* :mod:`~lightning_ort.bench.probe`: the measurements the studies take in fresh processes.
 """

@@ -1,4 +1,4 @@
-"""First-step cost against depth: ``python -m lightning_ort.bench --depth 2 12``.
+"""First-step cost against depth: ``python -m lightning_ort.bench depth 2 12``.
 
 Hugging Face ``GPT2LMHeadModel`` as a user builds it (the default configuration but for the layer count and
 width: dropout 0.1, ``use_cache`` on, the loss from ``labels``), a batch of 4 x 128 tokens, at each layer
@@ -59,7 +59,7 @@ def gpt2_model(layers: int, width: int) -> nn.Module:
     Raises:
         ImportError: ``transformers`` is not installed.
     """
-    transformers = import_transformers("--depth")
+    transformers = import_transformers("depth")
     return transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1))
     )
@@ -137,8 +137,8 @@ def run_depth_study(layer_counts: Sequence[int], width: int, steps: int, device:
 
 
 def _run_probe(kind: str, layers: int, width: int, steps: int, device: torch.device) -> dict[str, Any]:
-    command = [sys.executable, "-m", "lightning_ort.bench", "--device", str(device), "--depth-probe", kind]
-    command += ["--depth", str(layers), "--depth-width", str(width), "--steps", str(steps)]
+    command = [sys.executable, "-m", "lightning_ort.bench.probe", "depth", kind, "--device", str(device)]
+    command += ["--layers", str(layers), "--width", str(width), "--steps", str(steps)]
     with tempfile.TemporaryDirectory(prefix="lightning_ort_bench_inductor_") as cache:
         environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
         result = subprocess.run(command, capture_output=True, text=True, check=False, env=environment)
@@ -148,7 +148,7 @@ def _run_probe(kind: str, layers: int, width: int, steps: int, device: torch.dev
 
 
 def format_depth_report(results: Sequence[DepthResult], width: int) -> str:
-    """The table ``--depth`` prints: first steps and steady steps per layer count."""
+    """The table ``depth`` prints: first steps and steady steps per layer count."""
     lines = [
         f"GPT2LMHeadModel (default configuration, width {width}, batch 4 x 128, loss from labels): first training "
         "step in fresh processes (s), steady step (median ms, alternating in one process)",

@@ -1,4 +1,4 @@
-"""Sharded training against replicated: ``python -m lightning_ort.bench --fsdp 2``.
+"""Sharded training against replicated: ``python -m lightning_ort.bench fsdp 2``.
 
 Hugging Face ``GPT2LMHeadModel`` (its default configuration but for depth and width; a batch of 4 x 128 tokens
 per rank) trains on N processes (gloo on CPU, NCCL on CUDA) in three runtimes, whose steps alternate in the same
@@ -139,7 +139,7 @@ def _mib(tensors: Iterable[Any]) -> float:
 
 
 def format_fsdp_report(result: FsdpResult) -> str:
-    """The table ``--fsdp`` prints: rank 0's memory and median step per runtime."""
+    """The table ``fsdp`` prints: rank 0's memory and median step per runtime."""
     lines = [
         f"GPT-2 style model (GPT2LMHeadModel, {result.layers} layers of width {result.width}, batch 4 x 128 per "
         f"rank) on {result.ranks} ranks: rank 0's parameters and AdamW state (MiB), median step (ms, alternating)",

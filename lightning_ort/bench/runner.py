@@ -13,9 +13,10 @@ ORTModule of the first workload. ``--precision bf16`` or ``fp16`` runs every run
 (Chrome-trace JSON) in ``DIR`` and prints where a step's time goes: kernel time and nodes run per op type,
 ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
-The workloads and the ``--module`` factory contract are in :mod:`lightning_ort.bench.workloads`; the
-``--depth``, ``--shapes`` and ``--fsdp`` studies in :mod:`lightning_ort.bench.depth`,
-:mod:`lightning_ort.bench.shapes` and :mod:`lightning_ort.bench.fsdp`.
+That is the ``run`` sub-command, the default. The workloads and the ``--module`` factory contract are in
+:mod:`lightning_ort.bench.workloads`; the ``depth``, ``shapes`` and ``fsdp`` studies (``python -m
+lightning_ort.bench depth 2 12``) in :mod:`lightning_ort.bench.depth`, :mod:`lightning_ort.bench.shapes` and
+:mod:`lightning_ort.bench.fsdp`; the measurements they take in fresh processes in :mod:`lightning_ort.bench.probe`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ort.bench.depth import DepthResult, format_depth_report, format_phase_report, probe, run_depth_study
+from lightning_ort.bench.depth import DepthResult, format_depth_report, format_phase_report, run_depth_study
 from lightning_ort.bench.fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
 from lightning_ort.bench.shapes import ShapeRun, format_shapes_report, run_shapes_study
-from lightning_ort.bench.shapes import probe as shapes_probe
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
@@ -144,11 +144,11 @@ def peak_memory_mib(
     processes run at the same time (each reads only its own resident memory); on CUDA one after another,
     since they would share the device's memory.
     """
-    command = [sys.executable, "-m", "lightning_ort.bench", "--device", str(device), "--precision", precision]
-    command += ["--module", workload_spec] if workload_spec not in WORKLOADS else ["--workload", workload_spec]
+    command = [sys.executable, "-m", "lightning_ort.bench.probe", "memory", workload_spec]
+    command += ["--device", str(device), "--precision", precision]
 
     def probe(runtime: str) -> float:
-        result = subprocess.run([*command, "--memory-probe", runtime], capture_output=True, text=True, check=False)
+        result = subprocess.run([*command, "--runtime", runtime], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"memory probe for {runtime} on {workload_spec} failed:\n{result.stderr[-2000:]}")
         return float(json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"])
@@ -157,7 +157,8 @@ def peak_memory_mib(
         return dict(zip(runtimes, pool.map(probe, runtimes)))
 
 
-def _memory_probe(workload: Workload, runtime: str, device: torch.device, precision: str) -> float:
+def memory_probe(workload: Workload, runtime: str, device: torch.device, precision: str) -> float:
+    """Peak memory, in MiB, of ``runtime``'s setup and two training steps of ``workload`` in this process."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
@@ -477,111 +478,36 @@ def inductor_cache(cold: bool) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+STUDIES = ("run", "depth", "shapes", "fsdp")
+"""The sub-commands; ``run`` (the workloads) is the default."""
+
+
 def main(argv: Sequence[str] | None = None) -> BenchReport:
-    """Command-line entry point; returns the report it printed."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
-    parser.add_argument(
-        "--workload",
-        choices=sorted(WORKLOADS),
-        action="append",
-        help=f"repeatable; default: {', '.join(DEFAULT_WORKLOADS)}",
-    )
-    parser.add_argument(
-        "--precision",
-        choices=sorted(PRECISIONS),
-        default="fp32",
-        help="fp32, or torch.autocast to bf16 or fp16 (fp16 with a GradScaler) (default fp32)",
-    )
-    parser.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
-    parser.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
-    parser.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
-    parser.add_argument(
-        "--warm-inductor-cache",
-        action="store_true",
-        help="let inductor use its existing on-disk cache (default: an empty one, so its first step compiles)",
-    )
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        metavar="DIR",
-        help="also profile ORTModule's steps with ONNX Runtime's profiler: keep the profiles in DIR and print the "
-        "kernel time per op type",
-    )
-    parser.add_argument(
-        "--depth",
-        type=int,
-        nargs="+",
-        metavar="LAYERS",
-        help="instead of the workloads, time the first step of a GPT-2 style model (Hugging Face transformers) at "
-        "these layer counts: ORTModule with block graphs, with one graph, and inductor, each in a fresh process",
-    )
-    parser.add_argument(
-        "--depth-width", type=int, default=768, help="the --depth, --fsdp and --shapes models' width (default 768)"
-    )
-    parser.add_argument(
-        "--fsdp",
-        type=int,
-        metavar="RANKS",
-        help="instead of the workloads, train a GPT-2 style model on RANKS processes with DDP, plain FSDP and "
-        "ort_fsdp in alternation: per-rank parameter and optimizer memory, and step time",
-    )
-    parser.add_argument("--fsdp-layers", type=int, default=4, help="the --fsdp model's layer count (default 4)")
-    parser.add_argument(
-        "--shapes",
-        type=int,
-        nargs="+",
-        metavar="LENGTH",
-        help="instead of the workloads, train Hugging Face GPT-2 and BERT on padded batches of these lengths, with "
-        "automatic dynamic shapes and with dynamic_axes declared, each in a fresh process (CPU)",
-    )
-    parser.add_argument("--shapes-layers", type=int, default=4, help="the --shapes models' layer count (default 4)")
-    parser.add_argument("--shapes-probe", help=argparse.SUPPRESS)
-    parser.add_argument("--memory-probe", choices=RUNTIMES, help=argparse.SUPPRESS)
-    parser.add_argument("--depth-probe", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
+    """Command-line entry point; returns the report it printed.
+
+    ``python -m lightning_ort.bench [run] ...`` times the workloads; ``depth LAYERS...``, ``shapes LENGTH...``
+    and ``fsdp RANKS`` run the studies. Without a sub-command the arguments are ``run``'s.
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if not arguments or (arguments[0] not in STUDIES and arguments[0] not in ("-h", "--help")):
+        arguments = ["run", *arguments]
+    parser = _parser()
+    args = parser.parse_args(arguments)
+    if args.steps < 1 or getattr(args, "warmup", 0) < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
-    if args.shapes_probe:
-        name, mode = args.shapes_probe.split(":")
-        measured = shapes_probe(name, mode, args.shapes, args.shapes_layers, args.depth_width, args.steps)
-        print(json.dumps(measured))
-        sys.exit(0)
-    if args.shapes:
-        runs = run_shapes_study(args.shapes, args.shapes_layers, args.depth_width, args.steps)
+    if args.study == "shapes":
+        runs = run_shapes_study(args.lengths, args.layers, args.width, args.steps)
         return _report(
-            args,
-            device,
-            matmul_gflops(device),
-            shapes=runs,
-            shapes_layers=args.shapes_layers,
-            depth_width=args.depth_width,
+            args, device, matmul_gflops(device), shapes=runs, shapes_layers=args.layers, depth_width=args.width
         )
-    if args.depth_probe:
-        print(json.dumps(probe(args.depth_probe, args.depth[0], args.depth_width, args.steps, device)))
-        sys.exit(0)
-    if args.depth:
-        return _report(
-            args,
-            device,
-            matmul_gflops(device),
-            depth=run_depth_study(args.depth, args.depth_width, args.steps, device),
-            depth_width=args.depth_width,
-        )
-    if args.fsdp:
-        fsdp = run_fsdp_study(args.fsdp, args.fsdp_layers, args.depth_width, args.steps, device)
+    if args.study == "depth":
+        depth = run_depth_study(args.layers, args.width, args.steps, device)
+        return _report(args, device, matmul_gflops(device), depth=depth, depth_width=args.width)
+    if args.study == "fsdp":
+        fsdp = run_fsdp_study(args.ranks, args.layers, args.width, args.steps, device)
         return _report(args, device, matmul_gflops(device), fsdp=fsdp)
-    factories = [WORKLOADS[name] for name in args.workload or ([] if args.module else DEFAULT_WORKLOADS)]
-    factories += [load_factory(spec) for spec in args.module]
-    workloads = [factory(device) for factory in factories]
-    for workload in workloads:
-        workload.model.to(device)
-    if args.memory_probe:
-        print(json.dumps({"peak_mib": _memory_probe(workloads[0], args.memory_probe, device, args.precision)}))
-        sys.exit(0)
+    workloads = build_workloads(args.workload, args.module, device)
     gflops = matmul_gflops(device)
     with inductor_cache(cold=not args.warm_inductor_cache):
         results = [
@@ -598,6 +524,86 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     return _report(args, device, gflops, workloads=results, lightning=lightning, profiles=profiles)
 
 
+def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device: torch.device) -> list[Workload]:
+    """The workloads asked for by name and by ``--module`` spec (the reference set if neither), on ``device``."""
+    factories = [WORKLOADS[name] for name in names or ([] if modules else DEFAULT_WORKLOADS)]
+    factories += [load_factory(spec) for spec in modules]
+    workloads = [factory(device) for factory in factories]
+    for workload in workloads:
+        workload.model.to(device)
+    return workloads
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
+    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp}")
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
+    shared.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+
+    run = studies.add_parser(
+        "run", parents=[shared], help="time training steps of the workloads: eager, inductor, ORTModule (default)"
+    )
+    run.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        action="append",
+        help=f"repeatable; default: {', '.join(DEFAULT_WORKLOADS)}",
+    )
+    run.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp32",
+        help="fp32, or torch.autocast to bf16 or fp16 (fp16 with a GradScaler) (default fp32)",
+    )
+    run.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
+    run.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
+    run.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
+    run.add_argument(
+        "--warm-inductor-cache",
+        action="store_true",
+        help="let inductor use its existing on-disk cache (default: an empty one, so its first step compiles)",
+    )
+    run.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="also profile ORTModule's steps with ONNX Runtime's profiler: keep the profiles in DIR and print the "
+        "kernel time per op type",
+    )
+
+    depth = studies.add_parser(
+        "depth",
+        parents=[shared],
+        help="the first step of a GPT-2 style model (Hugging Face transformers) at these layer counts: ORTModule "
+        "with block graphs, with one graph, and inductor, each in a fresh process",
+    )
+    depth.add_argument("layers", type=int, nargs="+", metavar="LAYERS")
+    depth.add_argument("--width", type=int, default=768, help="the model's width (default 768)")
+
+    shapes = studies.add_parser(
+        "shapes",
+        parents=[shared],
+        help="train Hugging Face GPT-2 and BERT on padded batches of these lengths, with automatic dynamic shapes "
+        "and with dynamic_axes declared, each in a fresh process (CPU)",
+    )
+    shapes.add_argument("lengths", type=int, nargs="+", metavar="LENGTH")
+    shapes.add_argument("--layers", type=int, default=4, help="the models' layer count (default 4)")
+    shapes.add_argument("--width", type=int, default=768, help="the models' width (default 768)")
+
+    fsdp = studies.add_parser(
+        "fsdp",
+        parents=[shared],
+        help="train a GPT-2 style model on RANKS processes with DDP, plain FSDP and ort_fsdp in alternation: "
+        "per-rank parameter and optimizer memory, and step time",
+    )
+    fsdp.add_argument("ranks", type=int, metavar="RANKS")
+    fsdp.add_argument("--layers", type=int, default=4, help="the model's layer count (default 4)")
+    fsdp.add_argument("--width", type=int, default=768, help="the model's width (default 768)")
+    return parser
+
+
 def _report(args: argparse.Namespace, device: torch.device, gflops: float, **results: Any) -> BenchReport:
     """Print the report (and write its JSON with ``--json``); returns it."""
     import onnxruntime
@@ -611,8 +617,8 @@ def _report(args: argparse.Namespace, device: torch.device, gflops: float, **res
         steps=args.steps,
         workloads=results.pop("workloads", []),
         lightning=results.pop("lightning", None),
-        inductor_cache="warm" if args.warm_inductor_cache else "cold",
-        precision=args.precision,
+        inductor_cache="warm" if getattr(args, "warm_inductor_cache", False) else "cold",
+        precision=getattr(args, "precision", "fp32"),
         **results,
     )
     print(format_report(report))

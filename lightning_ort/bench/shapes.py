@@ -1,4 +1,4 @@
-"""The cost of each new input shape: ``python -m lightning_ort.bench --shapes 64 96 80 128``.
+"""The cost of each new input shape: ``python -m lightning_ort.bench shapes 64 96 80 128``.
 
 Hugging Face users pad each batch to its longest sequence, so the model sees a new length every few steps.
 Two models as users build them, from default configs but for their size (GPT-2 ``GPT2LMHeadModel`` with its loss
@@ -62,7 +62,7 @@ def hugging_face_model(name: str, layers: int, width: int) -> nn.Module:
     Raises:
         ImportError: ``transformers`` is not installed.
     """
-    transformers = import_transformers("--shapes")
+    transformers = import_transformers("shapes")
     heads = max(width // 64, 1)
     if name == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads))
@@ -111,9 +111,9 @@ def run_shapes_study(lengths: Sequence[int], layers: int, width: int, steps: int
     runs = []
     for name in MODELS:
         for mode in MODES:
-            command = [sys.executable, "-m", "lightning_ort.bench", "--shapes-probe", f"{name}:{mode}"]
-            command += ["--shapes", *map(str, lengths), "--shapes-layers", str(layers)]
-            command += ["--depth-width", str(width), "--steps", str(steps)]
+            command = [sys.executable, "-m", "lightning_ort.bench.probe", "shapes", name, mode]
+            command += ["--lengths", *map(str, lengths), "--layers", str(layers)]
+            command += ["--width", str(width), "--steps", str(steps)]
             result = subprocess.run(command, capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise RuntimeError(f"the {name} {mode} shapes probe failed:\n{result.stderr[-3000:]}")
@@ -123,7 +123,7 @@ def run_shapes_study(lengths: Sequence[int], layers: int, width: int, steps: int
 
 
 def format_shapes_report(runs: Sequence[ShapeRun], layers: int, width: int) -> str:
-    """The table ``--shapes`` prints: per model and mode, each length's first step, steady step and builds."""
+    """The table ``shapes`` prints: per model and mode, each length's first step, steady step and builds."""
     if not runs:
         return ""
     lengths = runs[0].lengths

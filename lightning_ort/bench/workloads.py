@@ -127,7 +127,7 @@ def cnn_workload(device: torch.device) -> Workload:
 
 def gpt2_workload(device: torch.device) -> Workload:
     """Hugging Face GPT2LMHeadModel, default configuration (12 layers, width 768), 8 x 512 tokens, its own loss."""
-    transformers = import_transformers("--workload gpt2")
+    transformers = import_transformers("run --workload gpt2")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50257, (8, 512), generator=g).to(device)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
@@ -178,11 +178,11 @@ def hugging_face_step(
     return time.perf_counter() - start
 
 
-def import_transformers(option: str) -> Any:
-    """The ``transformers`` package, or an ImportError saying that ``option`` of the benchmark needs it."""
+def import_transformers(study: str) -> Any:
+    """The ``transformers`` package, or an ImportError saying that the benchmark's ``study`` needs it."""
     try:
         return importlib.import_module("transformers")
     except ImportError as err:
         raise ImportError(
-            f"python -m lightning_ort.bench {option} builds Hugging Face models: pip install transformers"
+            f"python -m lightning_ort.bench {study} builds Hugging Face models: pip install transformers"
         ) from err
