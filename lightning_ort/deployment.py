@@ -35,7 +35,7 @@ from torch.export import Dim
 from lightning_ort.engine.capture.blocks import blocks_unmarked
 from lightning_ort.engine.onnx.export import quiet_exporter
 from lightning_ort.engine.torch_internals import pytree
-from lightning_ort.errors import ExportError, first_line, innermost_line
+from lightning_ort.errors import ExportError, first_line, frame_line, innermost_line
 from lightning_ort.logs import get_logger
 from lightning_ort.options import unwritable_reason
 
@@ -259,10 +259,12 @@ def _check_file(
             runs.append((doubled, reference))
             for size in EDGE_SIZES:
                 edge = example.resized({where: max(size, low + size - 1) for where, low in symbolic.items()})
+                if any(edge.shapes == run.shapes for run, _ in runs):
+                    continue
                 output = _try_eager(module, edge)
                 if output is None:
                     log.info("%s: eager PyTorch does not take its symbolic axes at size %d; not checked", owner, size)
-                elif all(edge.shapes != run.shapes for run, _ in runs):
+                else:
                     runs.append((edge, output[0]))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     largest = max(_check(session, path, run, reference, outputs, owner) for run, reference in runs)
@@ -629,10 +631,9 @@ def _try_eager(module: nn.Module, example: _Example) -> tuple[Any] | None:
 
 
 def _eager_on_doubled_axes(module: nn.Module, example: _Example, owner: str) -> Any:
-    """Eager ``module``'s (eval mode) output on ``example``, the check's run with the symbolic axes doubled."""
+    """Eager ``module``'s output on ``example``, the check's run with the symbolic axes doubled."""
     try:
-        with _eval_mode(module):
-            return _eager(module, example)
+        return _eager(module, example)
     except Exception as error:  # the model itself refuses these sizes
         shapes = [tuple(t.shape) for t in example.tensors]
         raise ExportError(
@@ -717,8 +718,7 @@ def _name_axes(
     graph = program.model.graph
     exported = program.exported_program
     assert exported is not None, "torch.onnx.export(dynamo=True) keeps the ExportedProgram"
-    user_inputs = set(exported.graph_signature.user_inputs)
-    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    placeholders = _user_placeholders(exported)
     renames: dict[str, str] = {}
     for (index, axis), wish in wanted.items():
         value = graph.inputs[index]
@@ -773,7 +773,7 @@ def _guards_on(module: nn.Module, example: _Example, spec: Any, index: int, axis
     """The guards ``torch.export`` records on input ``index``'s ``axis``, each with its source line.
 
     The exporter's decompositions start a new shape environment without the guards, so this traces ``module``
-    once more (only to explain an error). Sizes appear as ``x.size()[0]``.
+    once more (only to explain an error). Sizes appear as ``x.shape[0]``.
     """
     try:
         with warnings.catch_warnings(), blocks_unmarked(module), _eval_mode(module):
@@ -783,8 +783,7 @@ def _guards_on(module: nn.Module, example: _Example, spec: Any, index: int, axis
             )
     except Exception:  # the explanation is optional; the caller's error stands without it
         return []
-    user_inputs = set(exported.graph_signature.user_inputs)
-    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    placeholders = _user_placeholders(exported)
     size = placeholders[index].meta["val"].shape[axis]
     shape_env = getattr(getattr(size, "node", None), "shape_env", None)
     symbols = size.node.expr.free_symbols if isinstance(size, torch.SymInt) else set()
@@ -795,14 +794,17 @@ def _guards_on(module: nn.Module, example: _Example, spec: Any, index: int, axis
             continue
         user = getattr(getattr(guard, "sloc", None), "maybe_user_loc", None)
         frame = getattr(getattr(guard, "sloc", None), "framework_loc", None)
-        if user:
+        where = user or (frame_line(frame) if isinstance(frame, traceback.FrameSummary) else None)
+        if where:
             text = re.sub(r"\b\w+\b", lambda m: named.get(m.group(0), m.group(0)), str(guard.expr))
-            found.append(f"guard `{text}` at {user}")
-        elif isinstance(frame, traceback.FrameSummary):
-            text = re.sub(r"\b\w+\b", lambda m: named.get(m.group(0), m.group(0)), str(guard.expr))
-            line = f" (`{frame.line.strip()}`)" if frame.line else ""
-            found.append(f"guard `{text}` at {frame.filename}:{frame.lineno}{line}")
+            found.append(f"guard `{text}` at {where}")
     return found
+
+
+def _user_placeholders(exported: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """The placeholders of ``exported`` for ``forward``'s inputs (not its parameters and buffers), in order."""
+    user_inputs = set(exported.graph_signature.user_inputs)
+    return [node for node in exported.graph.nodes if node.op == "placeholder" and node.name in user_inputs]
 
 
 def _automatic(spec: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from types import FrameType
@@ -77,7 +78,8 @@ class DiskCacheWarning(UserWarning):
     """The on-disk graph cache could not be used for one graph; training goes on without it."""
 
 
-def _package_folder(module: str) -> str | None:
+def package_folder(module: str) -> str | None:
+    """The folder of the imported package ``module``, ending in a separator; ``None`` if it is not imported."""
     loaded = sys.modules.get(module)
     file = getattr(loaded, "__file__", None)
     return os.path.dirname(file) + os.sep if file else None
@@ -87,7 +89,7 @@ _INTERNAL_MODULES = ("lightning_ort", "torch", "lightning", "lightning_fabric", 
 
 
 def _internal_folders() -> tuple[str, ...]:
-    folders = (_package_folder(name) for name in _INTERNAL_MODULES)
+    folders = (package_folder(name) for name in _INTERNAL_MODULES)
     return (*(folder for folder in folders if folder), "<frozen ")
 
 
@@ -182,7 +184,10 @@ def innermost_line(trace: str) -> str:
 def user_frame(error: BaseException) -> str:
     """``file:line (`code`)`` of the model code TorchDynamo stopped at."""
     stack = getattr(error, "real_stack", None)
-    if not stack:
-        return "an unknown line"
-    frame = stack[-1]
-    return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+    return frame_line(stack[-1]) if stack else "an unknown line"
+
+
+def frame_line(frame: traceback.FrameSummary) -> str:
+    """``file:line (`code`)`` of a stack ``frame`` (without the code where Python has none)."""
+    code = (frame.line or "").strip()
+    return f"{frame.filename}:{frame.lineno}" + (f" (`{code}`)" if code else "")

@@ -541,6 +541,10 @@ def _parser() -> argparse.ArgumentParser:
     shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
     shared.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+    sized = argparse.ArgumentParser(add_help=False)  # the studies' GPT-2 style models
+    sized.add_argument("--width", type=int, default=768, help="the model's width (default 768)")
+    layered = argparse.ArgumentParser(add_help=False)
+    layered.add_argument("--layers", type=int, default=4, help="the model's layer count (default 4)")
 
     run = studies.add_parser(
         "run", parents=[shared], help="time training steps of the workloads: eager, inductor, ORTModule (default)"
@@ -575,32 +579,27 @@ def _parser() -> argparse.ArgumentParser:
 
     depth = studies.add_parser(
         "depth",
-        parents=[shared],
+        parents=[shared, sized],
         help="the first step of a GPT-2 style model (Hugging Face transformers) at these layer counts: ORTModule "
         "with block graphs, with one graph, and inductor, each in a fresh process",
     )
     depth.add_argument("layers", type=int, nargs="+", metavar="LAYERS")
-    depth.add_argument("--width", type=int, default=768, help="the model's width (default 768)")
 
     shapes = studies.add_parser(
         "shapes",
-        parents=[shared],
+        parents=[shared, sized, layered],
         help="train Hugging Face GPT-2 and BERT on padded batches of these lengths, with automatic dynamic shapes "
         "and with dynamic_axes declared, each in a fresh process (CPU)",
     )
     shapes.add_argument("lengths", type=int, nargs="+", metavar="LENGTH")
-    shapes.add_argument("--layers", type=int, default=4, help="the models' layer count (default 4)")
-    shapes.add_argument("--width", type=int, default=768, help="the models' width (default 768)")
 
     fsdp = studies.add_parser(
         "fsdp",
-        parents=[shared],
+        parents=[shared, sized, layered],
         help="train a GPT-2 style model on RANKS processes with DDP, plain FSDP and ort_fsdp in alternation: "
         "per-rank parameter and optimizer memory, and step time",
     )
     fsdp.add_argument("ranks", type=int, metavar="RANKS")
-    fsdp.add_argument("--layers", type=int, default=4, help="the model's layer count (default 4)")
-    fsdp.add_argument("--width", type=int, default=768, help="the model's width (default 768)")
     return parser
 
 

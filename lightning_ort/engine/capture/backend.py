@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -48,6 +47,8 @@ from lightning_ort.errors import (
     GraphBreakWarning,
     RecompileLimitWarning,
     first_line,
+    frame_line,
+    package_folder,
     user_frame,
     warn,
 )
@@ -401,14 +402,14 @@ class DynamoEvents:
         for reason, stack in self._new_breaks():
             self._build_log.add(graph_breaks=1)
             if in_fsdp_hooks(stack):  # FSDP's hooks around a sharded block: its design, not a fallback
-                log.info("%s: TorchDynamo split the forward at FSDP's hooks (%s)", self._owner, _frame_line(stack[-1]))
+                log.info("%s: TorchDynamo split the forward at FSDP's hooks (%s)", self._owner, frame_line(stack[-1]))
                 continue
             rest = (
                 "the graphs on both sides run in ONNX Runtime"
                 if self._build_log.counts.graphs
                 else "TorchDynamo captured no graph, so nothing of it runs in ONNX Runtime"
             )
-            where = f", at {_frame_line(stack[-1])}" if stack else ""
+            where = f", at {frame_line(stack[-1])}" if stack else ""
             self._warn(
                 f"lightning_ort: TorchDynamo split the forward of {self._owner} at a graph break: "
                 f"{first_line(reason)}{where}. That code runs in PyTorch; {rest}. {break_advice(reason, stack)} "
@@ -435,10 +436,9 @@ class DynamoEvents:
                 for reason, count in counters["graph_break"].items()
                 for _ in range(count - self._breaks.get(reason, 0))
             ]
-        own = _PACKAGE_FOLDER
         found = []
         for entry in recorded[self._recorded if len(recorded) >= self._recorded else 0 :]:
-            stack = [frame for frame in entry.user_stack if not frame.filename.startswith(own)]
+            stack = [frame for frame in entry.user_stack if not frame.filename.startswith(_PACKAGE_FOLDER)]
             site = tuple((frame.filename, frame.lineno, getattr(frame, "colno", None)) for frame in stack)
             if site in self._backend.break_sites:
                 continue
@@ -453,14 +453,8 @@ class DynamoEvents:
             warn(message, category)
 
 
-_PACKAGE_FOLDER = os.path.dirname(str(sys.modules[__name__.split(".")[0]].__file__)) + os.sep
+_PACKAGE_FOLDER = str(package_folder(__name__.split(".")[0]))
 """lightning_ort's own folder: its frames (ORTModule's entry point) are not the model's code."""
-
-
-def _frame_line(frame: traceback.FrameSummary) -> str:
-    """``file:line (`code`)`` of ``frame``."""
-    code = (frame.line or "").strip()
-    return f"{frame.filename}:{frame.lineno}" + (f" (`{code}`)" if code else "")
 
 
 _LIBRARY_REMEDIES = {
@@ -489,8 +483,8 @@ def break_advice(reason: str, stack: Sequence[traceback.FrameSummary] = ()) -> s
             return remedy
         caller = next((frame for frame in reversed(stack) if not _in_library(frame.filename)), stack[0])
         return (
-            f"The break is inside library code ({stack[-1].name} at {_frame_line(stack[-1])}), reached from "
-            f"{_frame_line(caller)}: what is passed there decides what that code does (look for an argument or a "
+            f"The break is inside library code ({stack[-1].name} at {frame_line(stack[-1])}), reached from "
+            f"{frame_line(caller)}: what is passed there decides what that code does (look for an argument or a "
             "setting of that library that avoids the break); otherwise that code runs correctly in PyTorch."
         )
     lowered = reason.lower()
@@ -511,8 +505,9 @@ def break_advice(reason: str, stack: Sequence[traceback.FrameSummary] = ()) -> s
 
 def _in_library(filename: str) -> bool:
     """Whether ``filename`` is torch's or an installed package's code, not the user's."""
-    torch_folder = os.path.dirname(torch.__file__) + os.sep
-    return filename.startswith(torch_folder) or any(part in filename for part in ("site-packages", "dist-packages"))
+    return filename.startswith(str(package_folder("torch"))) or any(
+        part in filename for part in ("site-packages", "dist-packages")
+    )
 
 
 _HITS = threading.local()
