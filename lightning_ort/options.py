@@ -23,6 +23,11 @@ from torch import nn
 OptimizationLevel = Literal["disable", "basic", "extended", "all"]
 """ONNX Runtime's graph optimization levels, by name."""
 
+CudaMemory = Literal["torch", "shared_arena", "session_arena"]
+"""Where CUDA sessions allocate, by name: see :mod:`lightning_ort.engine.runtime.cuda_memory`."""
+
+CUDA_MEMORY: tuple[CudaMemory, ...] = ("torch", "shared_arena", "session_arena")
+
 Fallback = Literal["auto", "raise"]
 """What ORTModule does with ops ONNX cannot express: run them in PyTorch (``"auto"``) or fail (``"raise"``)."""
 
@@ -236,6 +241,9 @@ class SessionSettings:
             ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads. PyTorch's next
             parallel operator starts them again, so graphs whose last run took under 1 ms run without it.
             See :mod:`lightning_ort.engine.runtime.openmp`.
+        cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator, one pool with
+            PyTorch), ``"shared_arena"`` (one ONNX Runtime arena for all sessions) or ``"session_arena"`` (ONNX
+            Runtime's default, an arena per session). See :mod:`lightning_ort.engine.runtime.cuda_memory`.
 
     Example:
         >>> SessionSettings(optimization_level="extended").graph_optimization_level.name
@@ -247,12 +255,14 @@ class SessionSettings:
     intra_op_num_threads: int = 0
     allow_spinning: bool = True
     release_torch_threads: bool = True
+    cuda_memory: CudaMemory = "torch"
 
     def __post_init__(self) -> None:
         require_type(self, "optimization_level", str, f"one of {', '.join(map(repr, _OPTIMIZATION_LEVELS))}")
         require_type(self, "intra_op_num_threads", int, "an int >= 0 (0 lets ONNX Runtime decide)")
         require_type(self, "allow_spinning", bool, "True or False")
         require_type(self, "release_torch_threads", bool, "True or False")
+        require_type(self, "cuda_memory", str, f"one of {', '.join(map(repr, CUDA_MEMORY))}")
         if self.providers is not None and (
             isinstance(self.providers, str) or not all(isinstance(p, str) for p in self.providers)
         ):
@@ -260,6 +270,9 @@ class SessionSettings:
         if self.optimization_level not in _OPTIMIZATION_LEVELS:
             allowed = ", ".join(_OPTIMIZATION_LEVELS)
             raise ValueError(f"optimization_level={self.optimization_level!r} is not one of {allowed}.")
+        if self.cuda_memory not in CUDA_MEMORY:
+            allowed = ", ".join(map(repr, CUDA_MEMORY))
+            raise ValueError(f"cuda_memory={self.cuda_memory!r} is not one of {allowed}.")
         if self.intra_op_num_threads < 0:
             raise ValueError(f"intra_op_num_threads={self.intra_op_num_threads} must be >= 0 (0 = ORT's default).")
         if self.providers is not None:

@@ -245,11 +245,47 @@ def test_the_command_line_is_one_sub_command_per_study_with_no_hidden_options(
 ) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--help"])
-    assert "{run,depth,shapes,fsdp}" in capsys.readouterr().out
-    for study in ("run", "depth", "shapes", "fsdp"):
+    assert "{run,depth,shapes,fsdp,memory}" in capsys.readouterr().out
+    for study in bench.STUDIES:
         with pytest.raises(SystemExit):
             bench.main([study, "--help"])
         assert "==SUPPRESS==" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--depth", "2"])  # the studies are sub-commands now
     assert "unrecognized arguments: --depth" in capsys.readouterr().err
+
+
+def test_runtime_chooses_the_runtimes_and_names_each_ort_memory_route(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    probed: list[str] = []
+
+    def peaks(spec: str, runtimes: list[str], *_: object) -> dict[str, float]:
+        probed.extend(runtimes)
+        return dict.fromkeys(runtimes, 1.0)
+
+    monkeypatch.setattr(bench, "peak_memory_mib", peaks)
+    args = ["--module", "tests.test_bench:tiny_workload", "--steps", "1", "--warmup", "0", "--no-lightning"]
+    report = bench.main([*args, "--runtime", "ort/session_arena", "--runtime", "ort/torch"])
+    (workload,) = report.workloads
+    assert list(workload.runtimes) == probed == ["eager", "ort/session_arena", "ort/torch"], "eager always, first"
+    assert workload.max_abs_loss_diff_ort < 1e-4
+    assert "ort/session_arena" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--runtime", "ort/nowhere"])
+
+
+def test_memory_study_trains_eager_then_each_route_with_the_shared_arena_last(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["memory", "--device", "cpu", "--module", "tests.test_bench:tiny_workload", "--steps", "2"]
+    report = bench.main([*args, "shared_arena", "torch"])
+    assert [run.runtime for run in report.memory] == ["eager", "ort/torch", "ort/shared_arena"]
+    eager = report.memory[0]
+    for run in report.memory:
+        assert run.peak_mib is None, "the routes are CUDA settings: no peak on CPU"
+        assert run.pytorch_fallback == ""
+        torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(eager.losses), rtol=1e-4, atol=1e-5)
+    assert "ort/shared_arena" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main([*args, "arena"])

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import lightning_ort.engine.runtime.session as session_module
-from lightning_ort import ORTModule
+from lightning_ort import ORTModule, SessionSettings
+from lightning_ort.engine.runtime import cuda_memory
+from lightning_ort.options import CUDA_MEMORY, CudaMemory
 from tests.helpers import assert_grads_close, assert_outputs_close, clone_inputs, weighted_loss
 from tests.zoo import CASES, Case, CausalLM
 
@@ -112,3 +114,49 @@ def test_a_side_stream_waits_for_and_sees_the_graphs_results() -> None:
         expected = eager(flipped) * 2
     side.synchronize()
     torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("memory", CUDA_MEMORY)
+def test_each_memory_route_trains_as_eager(memory: CudaMemory) -> None:
+    torch.manual_seed(0)
+    eager = CausalLM().cuda()
+    wrapped = ORTModule(copy.deepcopy(eager), session_settings=SessionSettings(cuda_memory=memory))
+    ids = torch.randint(0, 64, (4, 16), device="cuda")
+    expected, actual = eager(ids), wrapped(ids)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    expected.square().mean().backward()
+    actual.square().mean().backward()
+    assert_grads_close(wrapped, eager)
+    assert wrapped.providers[0] == "CUDAExecutionProvider"
+
+
+def _allocations_of_one_step(memory: CudaMemory) -> int:
+    torch.manual_seed(0)
+    wrapped = ORTModule(CausalLM().cuda(), session_settings=SessionSettings(cuda_memory=memory))
+    ids = torch.randint(0, 64, (4, 16), device="cuda")
+    wrapped(ids).square().mean().backward()  # sessions built and their arenas grown
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    wrapped(ids).square().mean().backward()
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_stats()["allocation.all.allocated"] - before)
+
+
+def test_the_torch_route_allocates_the_graphs_intermediates_from_pytorchs_pool() -> None:
+    # Under "session_arena" PyTorch allocates the step's inputs, outputs and gradients only; under "torch" ONNX
+    # Runtime's intermediates come from PyTorch's caching allocator too.
+    assert _allocations_of_one_step("torch") > _allocations_of_one_step("session_arena")
+
+
+def test_the_bridge_to_pytorchs_allocator_is_compiled_where_a_compiler_is_at_hand() -> None:
+    assert cuda_memory.torch_allocator().kind == "compiled"
+
+
+def test_the_callback_bridge_trains_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    callbacks = cuda_memory.callback_allocator()
+    monkeypatch.setattr(cuda_memory, "torch_allocator", lambda: callbacks)
+    torch.manual_seed(0)
+    eager = CausalLM().cuda()
+    wrapped = ORTModule(copy.deepcopy(eager), session_settings=SessionSettings(cuda_memory="torch"))
+    ids = torch.randint(0, 64, (4, 16), device="cuda")
+    torch.testing.assert_close(wrapped(ids), eager(ids), rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 from pathlib import Path
 
@@ -251,3 +252,21 @@ def test_wrapped_submodules_named_like_the_wrappers_properties_come_first() -> N
     assert list(get_model_state_dict(holder)) == [name for name, _ in holder.named_parameters()]
     holder.net(torch.randn(3, 4)).sum().backward()
     assert holder.net.statistics.backward_runs == 1
+
+
+def test_a_hugging_face_models_calls_log_no_torchdynamo_error() -> None:
+    # Skipping Hugging Face's logger.warning_once while tracing must not make TorchDynamo fail to record its
+    # compilation metrics (torch 2.11 logged a TypeError traceback at ERROR level for every compilation).
+    transformers = pytest.importorskip("transformers")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        ORTModule(model)(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == []

@@ -46,13 +46,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_ort.bench.depth import DepthResult, format_depth_report, format_phase_report, run_depth_study
 from lightning_ort.bench.fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
+from lightning_ort.bench.memory import MemoryRun, format_memory_report, run_memory_study
 from lightning_ort.bench.shapes import ShapeRun, format_shapes_report, run_shapes_study
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
-from lightning_ort.options import DebugOptions
+from lightning_ort.options import CUDA_MEMORY, CudaMemory, DebugOptions, SessionSettings
 
 RUNTIMES = ("eager", "inductor", "ort")
+"""The runtimes a run compares by default; eager always runs first, as the reference of the ratios."""
+RUNTIME_CHOICES = (*RUNTIMES, *(f"ort/{memory}" for memory in CUDA_MEMORY))
+"""``--runtime``'s values: ``ort/ROUTE`` is ORTModule with ``SessionSettings(cuda_memory=ROUTE)``."""
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``--precision``: the autocast dtype (``None``: no autocast)."""
 LIGHTNING_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -129,6 +133,8 @@ class BenchReport:
     fsdp: FsdpResult | None = None
     shapes: list[ShapeRun] = field(default_factory=list)
     shapes_layers: int = 0
+    memory: list[MemoryRun] = field(default_factory=list)
+    memory_workload: str = ""
 
 
 def peak_memory_mib(
@@ -229,8 +235,10 @@ class _Runner:
         self.model: nn.Module = model
         if name == "inductor":
             self.model = torch.compile(model)  # type: ignore[assignment]
-        elif name == "ort":
-            self.model = ORTModule(model, debug_options)
+        elif name.partition("/")[0] == "ort":
+            memory = name.partition("/")[2]
+            settings = SessionSettings(cuda_memory=cast(CudaMemory, memory)) if memory else None
+            self.model = ORTModule(model, debug_options, session_settings=settings)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.autocast_dtype = PRECISIONS[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)
@@ -275,10 +283,11 @@ def run_workload(
     gflops: float,
     block: int = 5,
     precision: str = "fp32",
+    runtimes: Sequence[str] = RUNTIMES,
 ) -> WorkloadResult:
-    """Time every runtime on ``workload``: warm-up, then ``steps`` timed steps in alternating blocks."""
+    """Time ``runtimes`` (eager first) on ``workload``: warm-up, then ``steps`` timed steps in alternating blocks."""
     runners: list[_Runner] = []
-    for name in RUNTIMES:
+    for name in runtimes:
         torch.manual_seed(0)
         runner = _Runner(name, workload, device, precision=precision)
         runner.first_step_s = runner.step()
@@ -291,7 +300,7 @@ def run_workload(
     flops = step_matmul_flops(workload)
     floor_ms = flops / (gflops * 1e9) * 1e3
     eager_ms = statistics.median(runners[0].times_ms)
-    peaks = peak_memory_mib(workload.name, RUNTIMES, device, precision)
+    peaks = peak_memory_mib(workload.name, runtimes, device, precision)
     results = {
         r.name: RuntimeResult(
             step_ms=statistics.median(r.times_ms),
@@ -304,8 +313,10 @@ def run_workload(
         )
         for r in runners
     }
-    ort_losses = runners[2].losses
-    loss_diff = max(abs(a - b) for a, b in zip(runners[0].losses, ort_losses))
+    loss_diff = max(
+        (abs(a - b) for r in runners if r.name.startswith("ort") for a, b in zip(runners[0].losses, r.losses)),
+        default=0.0,
+    )
     return WorkloadResult(workload.name, flops / 1e9, floor_ms, results, loss_diff)
 
 
@@ -405,15 +416,18 @@ def format_report(report: BenchReport) -> str:
         return "\n".join([*lines, format_fsdp_report(report.fsdp)])
     if report.shapes:
         return "\n".join([*lines, format_shapes_report(report.shapes, report.shapes_layers, report.depth_width)])
+    if report.memory:
+        return "\n".join([*lines, format_memory_report(report.memory, report.memory_workload)])
     width = max([12, *(len(result.workload) + 2 for result in report.workloads)])
+    named = max([10, *(len(name) + 2 for result in report.workloads for name in result.runtimes)])
     lines.append(
-        f"{'workload':<{width}}{'runtime':<10}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
+        f"{'workload':<{width}}{'runtime':<{named}}{'step ms':>9}{'vs eager':>10}{'floor ms':>10}{'x floor':>9}"
         f"{'first step s':>14}{'peak MiB':>10}"
     )
     for result in report.workloads:
         for name, r in result.runtimes.items():
             lines.append(
-                f"{result.workload:<{width}}{name:<10}{_ms(r.step_ms):>9}{r.speedup_vs_eager:>9.2f}x"
+                f"{result.workload:<{width}}{name:<{named}}{_ms(r.step_ms):>9}{r.speedup_vs_eager:>9.2f}x"
                 f"{_ms(result.floor_ms):>10}{r.floor_ratio:>8.2f}x{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
             )
             if r.pytorch_fallback:
@@ -478,7 +492,7 @@ def inductor_cache(cold: bool) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-STUDIES = ("run", "depth", "shapes", "fsdp")
+STUDIES = ("run", "depth", "shapes", "fsdp", "memory")
 """The sub-commands; ``run`` (the workloads) is the default."""
 
 
@@ -507,11 +521,22 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     if args.study == "fsdp":
         fsdp = run_fsdp_study(args.ranks, args.layers, args.width, args.steps, device)
         return _report(args, device, matmul_gflops(device), fsdp=fsdp)
+    if args.study == "memory":
+        (workload,) = build_workloads(
+            [] if args.module else [args.workload], [args.module] if args.module else [], device
+        )
+        routes = args.routes or list(CUDA_MEMORY)
+        if unknown := [route for route in routes if route not in CUDA_MEMORY]:
+            parser.error(f"memory: {', '.join(unknown)} is not a route; the routes are {', '.join(CUDA_MEMORY)}")
+        memory = run_memory_study(workload, routes, device, args.steps, PRECISIONS[args.precision])
+        return _report(args, device, matmul_gflops(device), memory=memory, memory_workload=workload.name)
     workloads = build_workloads(args.workload, args.module, device)
+    runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or RUNTIMES if r != "eager")]
     gflops = matmul_gflops(device)
     with inductor_cache(cold=not args.warm_inductor_cache):
         results = [
-            run_workload(w, device, args.steps, args.warmup, gflops, precision=args.precision) for w in workloads
+            run_workload(w, device, args.steps, args.warmup, gflops, precision=args.precision, runtimes=runtimes)
+            for w in workloads
         ]
     lightning = None
     if not args.no_lightning:
@@ -536,7 +561,7 @@ def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
-    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp}")
+    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory}")
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
@@ -562,6 +587,13 @@ def _parser() -> argparse.ArgumentParser:
         help="fp32, or torch.autocast to bf16 or fp16 (fp16 with a GradScaler) (default fp32)",
     )
     run.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
+    run.add_argument(
+        "--runtime",
+        choices=RUNTIME_CHOICES,
+        action="append",
+        help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/ROUTE: ORTModule with "
+        "SessionSettings(cuda_memory=ROUTE), to compare the CUDA memory routes in one run",
+    )
     run.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
     run.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
     run.add_argument(
@@ -600,6 +632,17 @@ def _parser() -> argparse.ArgumentParser:
         "per-rank parameter and optimizer memory, and step time",
     )
     fsdp.add_argument("ranks", type=int, metavar="RANKS")
+
+    memory = studies.add_parser(
+        "memory",
+        parents=[shared],
+        help="eager, then ORTModule under each CUDA memory route (SessionSettings(cuda_memory=...)), in one "
+        "process: step time and peak device memory",
+    )
+    memory.add_argument("routes", nargs="*", metavar="ROUTE", help=f"{', '.join(CUDA_MEMORY)} (default: all three)")
+    memory.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2", help="default: gpt2")
+    memory.add_argument("--module", help="your own workload instead: package.module:factory")
+    memory.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
     return parser
 
 

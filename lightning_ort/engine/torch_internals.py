@@ -222,6 +222,39 @@ def recompile_limit_hit(record: logging.LogRecord) -> tuple[str, str, str, str] 
     return limit, value, function, reason
 
 
+METRICS_LOGGER = "torch._dynamo.metrics_context"
+"""The logger TorchDynamo reports failures to record a compilation's metrics on."""
+
+
+def _config_logging_accepts_functions() -> bool:
+    """Whether TorchDynamo's compilation metrics can record a function in ``ignore_logging_functions``.
+
+    torch 2.11 serialises that setting to JSON with each compilation's metrics, so a function in it fails
+    the record, and TorchDynamo logs the ``TypeError``'s traceback at ERROR level (harmless otherwise); later
+    releases leave the setting out of the record.
+    """
+    (config_for_logging,) = require("torch._dynamo.utils", "_get_dynamo_config_for_logging")
+    with dynamo_config.patch(ignore_logging_functions={logging.Logger.warning}):
+        try:
+            config_for_logging()
+        except TypeError:
+            return False
+    return True
+
+
+CONFIG_LOGGING_ACCEPTS_FUNCTIONS = _config_logging_accepts_functions()
+
+
+def is_config_logging_failure(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is TorchDynamo's report that its configuration could not be serialised for the
+    compilation metrics (see :data:`CONFIG_LOGGING_ACCEPTS_FUNCTIONS`): a ``TypeError`` raised inside
+    ``_get_dynamo_config_for_logging``."""
+    error = record.exc_info[1] if record.exc_info else None
+    if not isinstance(error, TypeError):
+        return False
+    return any(frame.name == "_get_dynamo_config_for_logging" for frame in traceback.extract_tb(error.__traceback__))
+
+
 def is_graph_break_log(record: logging.LogRecord) -> bool:
     """Whether ``record`` is one of TorchDynamo's own lines about a graph break."""
     return "graph break" in str(record.msg).lower()

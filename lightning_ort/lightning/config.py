@@ -25,6 +25,7 @@ from torch import nn
 from lightning_ort.deployment import ExportSpec, check_export_target
 from lightning_ort.options import (
     PROVIDERS_ACCEPTED,
+    CudaMemory,
     DebugOptions,
     Fallback,
     LogLevel,
@@ -64,6 +65,8 @@ class ORTConfig:
             :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
         release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
             run (see :class:`~lightning_ort.SessionSettings`).
+        cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator), ``"shared_arena"``
+            or ``"session_arena"`` (see :class:`~lightning_ort.SessionSettings`).
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
         cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
             loads them instead of exporting again (default: no on-disk cache).
@@ -105,6 +108,7 @@ class ORTConfig:
     intra_op_num_threads: int = 0
     allow_spinning: bool = True
     release_torch_threads: bool = True
+    cuda_memory: CudaMemory = "torch"
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None
     dynamic: bool | None = None
@@ -142,6 +146,7 @@ class ORTConfig:
                 intra_op_num_threads=self.intra_op_num_threads,
                 allow_spinning=self.allow_spinning,
                 release_torch_threads=self.release_torch_threads,
+                cuda_memory=self.cuda_memory,
             ),
             fallback=self.fallback,
             cache_dir=self.cache_dir,

@@ -27,7 +27,9 @@ from lightning_ort.engine.capture.blocks import BlockGraphs
 from lightning_ort.engine.capture.build import PENDING_WARNINGS, BuildCounts, BuildLog, BuildOptions, GraphRunner
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.torch_internals import (
+    CONFIG_LOGGING_ACCEPTS_FUNCTIONS,
     GRAPH_BREAK_LOGGERS,
+    METRICS_LOGGER,
     RECOMPILE_LOGGER,
     TRACES_RECURRENT_LAYERS,
     BackendCompilerFailed,
@@ -37,6 +39,7 @@ from lightning_ort.engine.torch_internals import (
     dynamo_config,
     graph_break_reasons,
     in_fsdp_hooks,
+    is_config_logging_failure,
     is_graph_break_log,
     recompile_limit_hit,
     recompile_reason,
@@ -299,7 +302,7 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
     )
 
 
-def tracing_settings() -> contextlib.AbstractContextManager[None]:
+def tracing_settings() -> contextlib.ExitStack[bool | None]:
     """TorchDynamo settings for ORTModule's calls, set for each call only and restored after it.
 
     TorchDynamo's configuration is process-wide, so these never outlive the call:
@@ -310,15 +313,21 @@ def tracing_settings() -> contextlib.AbstractContextManager[None]:
     * ``ignore_logging_functions`` gains ``logging.Logger.warning_once``, the one-time advice that Hugging Face
       ``transformers`` adds to every logger (for instance about ``loss_type`` in each causal LM's loss): a
       logger call breaks the graph, and TorchDynamo then traces the layers before it twice. Skipped while
-      tracing, such a warning prints when the code runs outside a graph.
+      tracing, such a warning prints when the code runs outside a graph. Where TorchDynamo's compilation
+      metrics cannot record that setting (torch 2.11), its error log about it is dropped during the call.
     """
     changes: dict[str, Any] = {}
     if TRACES_RECURRENT_LAYERS:
         changes["allow_rnn"] = True
     warning_once = getattr(logging.Logger, "warning_once", None)
+    settings = contextlib.ExitStack()
     if warning_once is not None:
         changes["ignore_logging_functions"] = {*dynamo_config.ignore_logging_functions, warning_once}
-    return dynamo_config.patch(**changes) if changes else contextlib.nullcontext()
+        if not CONFIG_LOGGING_ACCEPTS_FUNCTIONS:
+            settings.enter_context(_CONFIG_LOGGING_FAILURES.scope())
+    if changes:
+        settings.enter_context(dynamo_config.patch(**changes))
+    return settings
 
 
 class DynamoEvents:
@@ -531,6 +540,9 @@ def _record_limit_hit(record: logging.LogRecord) -> bool:
 
 _LIMIT_LOGS = ScopedFilter((RECOMPILE_LOGGER,), keep=_record_limit_hit)
 """Records TorchDynamo's "hit config.recompile_limit" warnings during our calls."""
+
+_CONFIG_LOGGING_FAILURES = ScopedFilter((METRICS_LOGGER,), keep=lambda record: not is_config_logging_failure(record))
+"""Drops TorchDynamo's error log about a configuration its compilation metrics cannot record (torch 2.11)."""
 
 _BREAK_LOGS = ScopedFilter(
     GRAPH_BREAK_LOGGERS,

@@ -1,6 +1,7 @@
 """Runtime: ONNX Runtime sessions over PyTorch memory, and what keeps them fast and cached.
 
 * :mod:`.session`: an ``onnxruntime.InferenceSession`` run over PyTorch memory (IOBinding);
+* :mod:`.cuda_memory`: where CUDA sessions allocate (PyTorch's caching allocator by default);
 * :mod:`.openmp`: PyTorch's idle OpenMP threads released before CPU runs;
 * :mod:`.disk_cache`: exported graphs on disk, keyed by everything that shapes them;
 * :mod:`.profiling`: ONNX Runtime's profiles, summed by op type.

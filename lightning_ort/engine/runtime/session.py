@@ -34,6 +34,7 @@ from lightning_ort.engine.ort_internals import (
     failing_nodes,
     pybind_session,
 )
+from lightning_ort.engine.runtime.cuda_memory import cuda_provider_options, cuda_session_config
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
 from lightning_ort.errors import SessionError
 from lightning_ort.logs import get_logger
@@ -67,9 +68,10 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
     """Execution providers for a graph whose tensors live on ``device``."""
     if device.type == "cuda":
         options = {
-            "device_id": str(device.index if device.index is not None else torch.cuda.current_device()),
+            "device_id": str(_device_index(device)),
             "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
             "use_tf32": "1" if torch_allows_tf32_matmul() else "0",
+            **cuda_provider_options(settings.cuda_memory),
         }
         names = list(settings.providers) if settings.providers else ["CUDAExecutionProvider", "CPUExecutionProvider"]
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -84,6 +86,10 @@ def providers_for(device: torch.device, settings: SessionSettings) -> list[str |
             "the CPU or a CUDA device."
         )
     return list(settings.providers) if settings.providers else ["CPUExecutionProvider"]
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def torch_allows_tf32_matmul() -> bool:
@@ -150,6 +156,9 @@ class GraphSession:
             # other graphs' blocks; without it the shared arena reuses freed space across the forward and
             # backward graphs.
             options.enable_mem_pattern = False
+        elif device.type == "cuda":
+            for key, value in cuda_session_config(settings.cuda_memory, _device_index(device)).items():
+                options.add_session_config_entry(key, value)
         options.log_severity_level = LogLevel(debug.log_level).ort_severity
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))
