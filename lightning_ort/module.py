@@ -18,7 +18,13 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_ort.deployment import DeployedModel, DynamicShapes, export_for_deployment
-from lightning_ort.engine.capture.backend import DynamoEvents, ModuleStatistics, ORTBackend, tracing_settings
+from lightning_ort.engine.capture.backend import (
+    DynamoEvents,
+    ModuleStatistics,
+    ORTBackend,
+    fast_path_off,
+    tracing_settings,
+)
 from lightning_ort.engine.capture.blocks import (
     mark_blocks,
     marked_blocks,
@@ -358,6 +364,7 @@ class ORTModule(nn.Module):
             with (
                 model_log_level(self._build_options.debug.python_level),
                 tracing_settings(),
+                fast_path_off(self._original_module),
                 DynamoEvents(self._backend, type(self._original_module).__name__, self.fallback),
             ):
                 output = self._compiled(self._original_module, *args, **kwargs)

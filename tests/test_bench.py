@@ -93,7 +93,7 @@ def test_report_marks_an_ort_row_that_ran_in_pytorch() -> None:
     ort_row = row("the whole model ran in PyTorch (ONNX Runtime could not build its graphs; see the warning)")
     result = bench.WorkloadResult("mlp", 1.0, 5.0, {"eager": row(), "ort": ort_row}, 0.0)
     report = bench.BenchReport("cpu", "2.13", "1.31", 2, 100.0, 1, [result], None)
-    lines = bench.format_report(report).splitlines()
+    lines = report.format().splitlines()
     marked = [i for i, line in enumerate(lines) if "not all ONNX Runtime" in line]
     assert len(marked) == 1 and lines[marked[0] - 1].split()[1] == "ort"
     assert "whole model ran in PyTorch" in lines[marked[0]]
@@ -106,7 +106,7 @@ def test_report_columns_fit_long_workload_names_and_short_steps() -> None:
     name = "my_package.models:small_factory"
     result = bench.WorkloadResult(name, 0.0, 0.0643, {"eager": row(0.9123), "ort": row(1.314)}, 0.0)
     report = bench.BenchReport("cpu", "2.13", "1.31", 2, 100.0, 1, [result], None)
-    header, eager, ort = bench.format_report(report).splitlines()[3:6]
+    header, eager, ort = report.format().splitlines()[3:6]
     assert eager.index("eager") == ort.index("ort") == header.index("runtime")
     assert eager.split()[2:4] == ["0.912", "1.00x"] and ort.split()[2] == "1.31"
     assert eager.split()[4] == "0.064"

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_ort import DebugOptions, ORTModule, export_for_deployment
-from lightning_ort.engine.capture.backend import ort
+from lightning_ort.engine.capture.backend import fast_path_off, ort
 from tests.helpers import assert_grads_close, weighted_loss
 from tests.zoo import MLP
 from tests.zoo.architectures import LSTMTagger
@@ -261,3 +261,27 @@ def test_importing_the_package_touches_no_other_library_and_registers_the_strate
     result = subprocess.run([sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[] ['_RegisterWithLightning'] [] True", result.stdout
+
+
+def test_training_calls_leave_the_attention_fast_path_switch_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    switched: list[bool] = []
+    switch = torch.backends.mha.set_fastpath_enabled
+    monkeypatch.setattr(torch.backends.mha, "set_fastpath_enabled", lambda on: (switched.append(on), switch(on)))
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+    wrapped = ORTModule(encoder)
+    wrapped(torch.randn(2, 5, 16)).sum().backward()
+    assert switched == [], "a training call with autograd cannot take the fast path"
+    with torch.no_grad():
+        wrapped.eval()(torch.randn(2, 5, 16))
+    assert switched == [False, True], "off for an eval call, then restored"
+
+
+def test_concurrent_calls_share_one_fast_path_switch_restored_by_the_last() -> None:
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1).eval()
+    first, second = fast_path_off(encoder), fast_path_off(encoder)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert torch.backends.mha.get_fastpath_enabled() is False, "the other call still runs"
+    second.__exit__(None, None, None)
+    assert torch.backends.mha.get_fastpath_enabled() is True

@@ -6,5 +6,7 @@
 * :mod:`~lightning_ort.bench.depth`: ``depth``, the first step against layer count;
 * :mod:`~lightning_ort.bench.shapes`: ``shapes``, the build cost of each new padded length;
 * :mod:`~lightning_ort.bench.fsdp`: ``fsdp``, sharded training against replicated;
+* :mod:`~lightning_ort.bench.memory`: ``memory``, the CUDA memory routes side by side;
+* :mod:`~lightning_ort.bench.report`: what every study's report holds first; each study has its own type;
 * :mod:`~lightning_ort.bench.probe`: the measurements the studies take in fresh processes.
 """

@@ -18,12 +18,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
+from lightning_ort.bench.report import Report
 from lightning_ort.bench.workloads import hugging_face_step, import_transformers
 from lightning_ort.engine.torch_internals import calculate_time_spent
 from lightning_ort.module import ORTModule
@@ -205,3 +207,15 @@ def format_phase_report(results: Sequence[DepthResult]) -> str:
                 f"{phases['translation_seconds']:>11.1f}{phases['session_seconds']:>10.1f}{rest:>7.1f}"
             )
     return "\n".join(lines)
+
+
+@dataclass
+class DepthReport(Report):
+    """The ``depth`` study: the first step at each layer count, for GPT-2 style models of ``width``."""
+
+    depth: list[DepthResult] = field(default_factory=list)
+    width: int = 0
+
+    @override
+    def body(self) -> list[str]:
+        return [format_depth_report(self.depth, self.width), format_phase_report(self.depth)]

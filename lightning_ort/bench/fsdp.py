@@ -24,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
+
+from lightning_ort.bench.report import Report
 
 FSDP_RUNTIMES = ("ddp", "fsdp", "ort_fsdp")
 """Runtimes whose steps alternate in the ranks' processes."""
@@ -156,3 +159,14 @@ def format_fsdp_report(result: FsdpResult) -> str:
         f"{result.ort_runs} ONNX Runtime runs on rank 0"
     )
     return "\n".join(lines)
+
+
+@dataclass
+class FsdpReport(Report):
+    """The ``fsdp`` study: DDP, plain FSDP and ``ort_fsdp`` on the same ranks."""
+
+    fsdp: FsdpResult | None = None
+
+    @override
+    def body(self) -> list[str]:
+        return [format_fsdp_report(self.fsdp)] if self.fsdp is not None else []

@@ -16,10 +16,12 @@ import copy
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from typing_extensions import override
 
+from lightning_ort.bench.report import Report
 from lightning_ort.bench.workloads import Workload, synchronize
 from lightning_ort.module import ORTModule
 from lightning_ort.options import CUDA_MEMORY, CudaMemory, SessionSettings
@@ -122,3 +124,20 @@ def format_memory_report(runs: Sequence[MemoryRun], workload: str) -> str:
         if run.pytorch_fallback:
             lines.append(f"{'':<20}  ^ not all ONNX Runtime: {run.pytorch_fallback}")
     return "\n".join(lines)
+
+
+@dataclass
+class MemoryReport(Report):
+    """The ``memory`` study: eager and each CUDA memory route on ``workload``, under ``precision``."""
+
+    memory: list[MemoryRun] = field(default_factory=list)
+    workload: str = ""
+    precision: str = "fp32"
+
+    @override
+    def conditions(self) -> list[str]:
+        return [self.precision, *super().conditions()]
+
+    @override
+    def body(self) -> list[str]:
+        return [format_memory_report(self.memory, self.workload)]

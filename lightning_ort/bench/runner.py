@@ -14,9 +14,10 @@ ORTModule of the first workload. ``--precision bf16`` or ``fp16`` runs every run
 ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
 That is the ``run`` sub-command, the default. The workloads and the ``--module`` factory contract are in
-:mod:`lightning_ort.bench.workloads`; the ``depth``, ``shapes`` and ``fsdp`` studies (``python -m
-lightning_ort.bench depth 2 12``) in :mod:`lightning_ort.bench.depth`, :mod:`lightning_ort.bench.shapes` and
-:mod:`lightning_ort.bench.fsdp`; the measurements they take in fresh processes in :mod:`lightning_ort.bench.probe`.
+:mod:`lightning_ort.bench.workloads`; the ``depth``, ``shapes``, ``fsdp`` and ``memory`` studies (``python -m
+lightning_ort.bench depth 2 12``) in :mod:`lightning_ort.bench.depth`, :mod:`lightning_ort.bench.shapes`,
+:mod:`lightning_ort.bench.fsdp` and :mod:`lightning_ort.bench.memory`; the measurements they take in fresh
+processes in :mod:`lightning_ort.bench.probe`.
 """
 
 from __future__ import annotations
@@ -38,16 +39,18 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
 
-from lightning_ort.bench.depth import DepthResult, format_depth_report, format_phase_report, run_depth_study
-from lightning_ort.bench.fsdp import FsdpResult, format_fsdp_report, run_fsdp_study
-from lightning_ort.bench.memory import MemoryRun, format_memory_report, run_memory_study
-from lightning_ort.bench.shapes import ShapeRun, format_shapes_report, run_shapes_study
+from lightning_ort.bench.depth import DepthReport, run_depth_study
+from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
+from lightning_ort.bench.memory import MemoryReport, run_memory_study
+from lightning_ort.bench.report import Report
+from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
@@ -113,28 +116,23 @@ class ProfileResult:
 
 
 @dataclass
-class BenchReport:
-    """Everything one benchmark run measured; ``inductor_cache`` says whether inductor's first step started from
-    an empty cache (``"cold"``, the default) or from the one it found (``"warm"``)."""
+class BenchReport(Report):
+    """The ``run`` study: every runtime on every workload; ``inductor_cache`` says whether inductor's first step
+    started from an empty cache (``"cold"``, the default) or from the one it found (``"warm"``)."""
 
-    device: str
-    torch_version: str
-    onnxruntime_version: str
-    threads: int
-    matmul_gflops: float
-    steps: int
-    workloads: list[WorkloadResult]
-    lightning: LightningResult | None
+    workloads: list[WorkloadResult] = field(default_factory=list)
+    lightning: LightningResult | None = None
     inductor_cache: str = "cold"
     precision: str = "fp32"
     profiles: list[ProfileResult] = field(default_factory=list)
-    depth: list[DepthResult] = field(default_factory=list)
-    depth_width: int = 0
-    fsdp: FsdpResult | None = None
-    shapes: list[ShapeRun] = field(default_factory=list)
-    shapes_layers: int = 0
-    memory: list[MemoryRun] = field(default_factory=list)
-    memory_workload: str = ""
+
+    @override
+    def conditions(self) -> list[str]:
+        return [self.precision, *super().conditions(), f"inductor's first step with a {self.inductor_cache} cache"]
+
+    @override
+    def body(self) -> list[str]:
+        return _run_tables(self)
 
 
 def peak_memory_mib(
@@ -398,26 +396,9 @@ def run_lightning(
     return LightningResult(workload.name, plain_median, trainer_ms, trainer_ms / plain_median - 1.0)
 
 
-def format_report(report: BenchReport) -> str:
-    """The report as the table the command prints."""
-    lines = [
-        f"lightning_ort benchmark on {report.device} ({report.threads} threads), torch {report.torch_version}, "
-        f"onnxruntime {report.onnxruntime_version}",
-        f"matrix-product rate: {report.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
-        f"{report.precision}; median of {report.steps} steps; inductor's first step with a {report.inductor_cache} "
-        "cache",
-        "",
-    ]
-    if report.depth:
-        return "\n".join(
-            [*lines, format_depth_report(report.depth, report.depth_width), format_phase_report(report.depth)]
-        )
-    if report.fsdp is not None:
-        return "\n".join([*lines, format_fsdp_report(report.fsdp)])
-    if report.shapes:
-        return "\n".join([*lines, format_shapes_report(report.shapes, report.shapes_layers, report.depth_width)])
-    if report.memory:
-        return "\n".join([*lines, format_memory_report(report.memory, report.memory_workload)])
+def _run_tables(report: BenchReport) -> list[str]:
+    """The ``run`` study's tables: per workload and runtime, then the Lightning timing and the profiles."""
+    lines: list[str] = []
     width = max([12, *(len(result.workload) + 2 for result in report.workloads)])
     named = max([10, *(len(name) + 2 for result in report.workloads for name in result.runtimes)])
     lines.append(
@@ -455,7 +436,7 @@ def format_report(report: BenchReport) -> str:
     if report.profiles:
         folders = sorted({str(f.parent) for r in report.profiles for f in r.profile.files})
         lines.append(f"profiles (chrome://tracing, Perfetto): {', '.join(folders)}")
-    return "\n".join(lines)
+    return lines
 
 
 def _ms(value: float) -> str:
@@ -496,11 +477,11 @@ STUDIES = ("run", "depth", "shapes", "fsdp", "memory")
 """The sub-commands; ``run`` (the workloads) is the default."""
 
 
-def main(argv: Sequence[str] | None = None) -> BenchReport:
-    """Command-line entry point; returns the report it printed.
+def main(argv: Sequence[str] | None = None) -> Report:
+    """Command-line entry point; returns the report it printed (the study's own report type).
 
-    ``python -m lightning_ort.bench [run] ...`` times the workloads; ``depth LAYERS...``, ``shapes LENGTH...``
-    and ``fsdp RANKS`` run the studies. Without a sub-command the arguments are ``run``'s.
+    ``python -m lightning_ort.bench [run] ...`` times the workloads; ``depth LAYERS...``, ``shapes LENGTH...``,
+    ``fsdp RANKS`` and ``memory [ROUTE...]`` run the studies. Without a sub-command the arguments are ``run``'s.
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if not arguments or (arguments[0] not in STUDIES and arguments[0] not in ("-h", "--help")):
@@ -512,15 +493,13 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
     device = torch.device(args.device)
     if args.study == "shapes":
         runs = run_shapes_study(args.lengths, args.layers, args.width, args.steps)
-        return _report(
-            args, device, matmul_gflops(device), shapes=runs, shapes_layers=args.layers, depth_width=args.width
-        )
+        return _emit(ShapesReport(**_machine(args, device), shapes=runs, layers=args.layers, width=args.width), args)
     if args.study == "depth":
         depth = run_depth_study(args.layers, args.width, args.steps, device)
-        return _report(args, device, matmul_gflops(device), depth=depth, depth_width=args.width)
+        return _emit(DepthReport(**_machine(args, device), depth=depth, width=args.width), args)
     if args.study == "fsdp":
         fsdp = run_fsdp_study(args.ranks, args.layers, args.width, args.steps, device)
-        return _report(args, device, matmul_gflops(device), fsdp=fsdp)
+        return _emit(FsdpReport(**_machine(args, device), fsdp=fsdp), args)
     if args.study == "memory":
         (workload,) = build_workloads(
             [] if args.module else [args.workload], [args.module] if args.module else [], device
@@ -529,13 +508,22 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         if unknown := [route for route in routes if route not in CUDA_MEMORY]:
             parser.error(f"memory: {', '.join(unknown)} is not a route; the routes are {', '.join(CUDA_MEMORY)}")
         memory = run_memory_study(workload, routes, device, args.steps, PRECISIONS[args.precision])
-        return _report(args, device, matmul_gflops(device), memory=memory, memory_workload=workload.name)
+        machine = _machine(args, device)
+        return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
     workloads = build_workloads(args.workload, args.module, device)
     runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or RUNTIMES if r != "eager")]
-    gflops = matmul_gflops(device)
+    machine = _machine(args, device)
     with inductor_cache(cold=not args.warm_inductor_cache):
         results = [
-            run_workload(w, device, args.steps, args.warmup, gflops, precision=args.precision, runtimes=runtimes)
+            run_workload(
+                w,
+                device,
+                args.steps,
+                args.warmup,
+                machine["matmul_gflops"],
+                precision=args.precision,
+                runtimes=runtimes,
+            )
             for w in workloads
         ]
     lightning = None
@@ -546,7 +534,15 @@ def main(argv: Sequence[str] | None = None) -> BenchReport:
         profiles = [
             profile_workload(w, device, args.steps, args.warmup, args.profile, args.precision) for w in workloads
         ]
-    return _report(args, device, gflops, workloads=results, lightning=lightning, profiles=profiles)
+    report = BenchReport(
+        **machine,
+        workloads=results,
+        lightning=lightning,
+        inductor_cache="cold" if not args.warm_inductor_cache else "warm",
+        precision=args.precision,
+        profiles=profiles,
+    )
+    return _emit(report, args)
 
 
 def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device: torch.device) -> list[Workload]:
@@ -646,24 +642,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _report(args: argparse.Namespace, device: torch.device, gflops: float, **results: Any) -> BenchReport:
-    """Print the report (and write its JSON with ``--json``); returns it."""
+def _machine(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The fields every report starts with (see :class:`~lightning_ort.bench.report.Report`), measured now."""
     import onnxruntime
 
-    report = BenchReport(
-        device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-        torch_version=torch.__version__,
-        onnxruntime_version=onnxruntime.__version__,
-        threads=torch.get_num_threads(),
-        matmul_gflops=gflops,
-        steps=args.steps,
-        workloads=results.pop("workloads", []),
-        lightning=results.pop("lightning", None),
-        inductor_cache="warm" if getattr(args, "warm_inductor_cache", False) else "cold",
-        precision=getattr(args, "precision", "fp32"),
-        **results,
-    )
-    print(format_report(report))
+    return {
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "torch_version": torch.__version__,
+        "onnxruntime_version": onnxruntime.__version__,
+        "threads": torch.get_num_threads(),
+        "matmul_gflops": matmul_gflops(device),
+        "steps": args.steps,
+    }
+
+
+ReportType = TypeVar("ReportType", bound=Report)
+
+
+def _emit(report: ReportType, args: argparse.Namespace) -> ReportType:
+    """Print ``report`` (and write its JSON with ``--json``); returns it."""
+    print(report.format())
     if args.json:
         args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
     return report

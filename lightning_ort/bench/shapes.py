@@ -22,12 +22,14 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
+from lightning_ort.bench.report import Report
 from lightning_ort.bench.workloads import hugging_face_step, import_transformers
 from lightning_ort.module import ORTModule
 
@@ -150,3 +152,16 @@ def format_shapes_report(runs: Sequence[ShapeRun], layers: int, width: int) -> s
                 f"{declared.step_ms[-1] / automatic.step_ms[-1]:.2f}x"
             )
     return "\n".join(lines)
+
+
+@dataclass
+class ShapesReport(Report):
+    """The ``shapes`` study: each model in each mode over the padded lengths."""
+
+    shapes: list[ShapeRun] = field(default_factory=list)
+    layers: int = 0
+    width: int = 0
+
+    @override
+    def body(self) -> list[str]:
+        return [format_shapes_report(self.shapes, self.layers, self.width)]

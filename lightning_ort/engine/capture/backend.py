@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch import nn
 
 from lightning_ort.engine.capture.aot import CapturedGraph, GraphNames
 from lightning_ort.engine.capture.blocks import BlockGraphs
@@ -330,6 +331,62 @@ def tracing_settings() -> contextlib.ExitStack[bool | None]:
     return settings
 
 
+_FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+class _FastPathSwitch:
+    """``torch.backends.mha``'s fast-path switch, off while any thread is inside :meth:`off`; the last to leave
+    restores the value the first found."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._found = True
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        with self._lock:
+            if self._inside == 0:
+                self._found = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if self._inside == 0:
+                    torch.backends.mha.set_fastpath_enabled(self._found)
+
+
+_FAST_PATH = _FastPathSwitch()
+
+
+def fast_path_off(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Turn PyTorch's attention inference fast path off for a call of ``module`` that could take it.
+
+    ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` in eval mode or without autograd run one
+    fused op, over nested tensors for padded batches, that neither TorchDynamo nor ONNX translate. The switch
+    (``torch.backends.mha.set_fastpath_enabled``) is process-wide and TorchDynamo guards on it, so it is off for
+    the whole call, but only for a call that could take the fast path (a training call with autograd cannot),
+    and it is restored when the last such call, in any thread, returns.
+
+    Example:
+        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)
+        >>> with fast_path_off(encoder.train()):
+        ...     torch.backends.mha.get_fastpath_enabled()
+        True
+        >>> with fast_path_off(encoder.eval()):
+        ...     torch.backends.mha.get_fastpath_enabled()
+        False
+    """
+    grad = torch.is_grad_enabled()
+    for child in module.modules():
+        if isinstance(child, _FAST_PATH_MODULES) and not (grad and child.training):
+            return _FAST_PATH.off()
+    return contextlib.nullcontext()
+
+
 class DynamoEvents:
     """One call through TorchDynamo: its graph breaks and recompile-limit hits become warnings and statistics.
 
@@ -370,7 +427,6 @@ class DynamoEvents:
         self._breaks: dict[str, int] = {}
         self._recorded = 0
         self._scopes = contextlib.ExitStack()
-        self._fastpath = True
         self.compiled = False
 
     def __enter__(self) -> DynamoEvents:
@@ -383,13 +439,9 @@ class DynamoEvents:
         self._scopes.enter_context(_BREAK_LOGS.scope())
         PENDING_WARNINGS.collecting = True
         PENDING_WARNINGS.messages.clear()
-        # nn.TransformerEncoder's inference fast path is one fused op without an ONNX translation.
-        self._fastpath = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
-        torch.backends.mha.set_fastpath_enabled(self._fastpath)
         self._scopes.close()
         PENDING_WARNINGS.collecting = False
         self.compiled = counters["frames"]["total"] != self._frames

@@ -1,0 +1,47 @@
+"""What every study's report holds first: the machine, the versions and the steps its figures are medians of.
+
+Each study has its own report type, a :class:`Report` with the study's results, and prints it as
+:meth:`Report.format` writes it; ``--json`` writes the same fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Report:
+    """The machine a study ran on, and the steps each of its figures is the median of.
+
+    Example:
+        >>> print(Report("cpu", "2.13.0", "1.31.1", 2, 210.0, 20).format())
+        lightning_ort benchmark on cpu (2 threads), torch 2.13.0, onnxruntime 1.31.1
+        matrix-product rate: 210 GFLOP/s (torch.mm 2048x2048, this run); median of 20 steps
+        <BLANKLINE>
+    """
+
+    device: str
+    torch_version: str
+    onnxruntime_version: str
+    threads: int
+    matmul_gflops: float
+    steps: int
+
+    def conditions(self) -> list[str]:
+        """What the figures were measured under, for the header (a study adds its precision, its cache...)."""
+        return [f"median of {self.steps} steps"]
+
+    def body(self) -> list[str]:
+        """The study's tables, line by line."""
+        return []
+
+    def format(self) -> str:
+        """The report as the command prints it."""
+        header = [
+            f"lightning_ort benchmark on {self.device} ({self.threads} threads), torch {self.torch_version}, "
+            f"onnxruntime {self.onnxruntime_version}",
+            f"matrix-product rate: {self.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
+            + "; ".join(self.conditions()),
+            "",
+        ]
+        return "\n".join([*header, *self.body()])
