@@ -38,7 +38,7 @@ from lightning_ort.engine.runtime.profiling import KernelProfile, read_profiles
 from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic, uncaptured_reason
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.logs import get_logger, model_log_level
-from lightning_ort.options import BlockSpec, DebugOptions, Fallback, ModuleOptions, SessionSettings
+from lightning_ort.options import AttentionPath, BlockSpec, DebugOptions, Fallback, ModuleOptions, SessionSettings
 
 log = get_logger(__name__)
 
@@ -108,6 +108,12 @@ class ORTModule(nn.Module):
             from the first call (where the model allows), so the first graph already serves every size: with
             padded batches of changing length, the first build is the only one, instead of a static graph first
             and a dynamic one when a second length comes. Block graphs stay. Not with ``dynamic=False``.
+        attention: where ``F.scaled_dot_product_attention`` runs. ``"onnx"`` (default): its math path in the
+            ONNX Runtime graphs, the attention scores materialized and saved for the backward. ``"torch"``: SDPA
+            and its backward stay single PyTorch ops between ONNX Runtime partitions, so PyTorch's fused kernels
+            (flash, memory-efficient, cuDNN on CUDA) compute them without materializing the scores; they are
+            not fallbacks (no warning, also under ``fallback="raise"``). Attention inside
+            ``nn.MultiheadAttention`` keeps its math path.
 
     Example:
         >>> model = ORTModule(nn.Linear(4, 2))
@@ -127,6 +133,7 @@ class ORTModule(nn.Module):
         dynamic: bool | None = None,
         blocks: Sequence[BlockSpec] | str | None = None,
         dynamic_axes: Mapping[str, Sequence[int]] | None = None,
+        attention: AttentionPath = "onnx",
     ) -> None:
         options = ModuleOptions.checked(
             debug_options=debug_options,
@@ -136,6 +143,7 @@ class ORTModule(nn.Module):
             dynamic=dynamic,
             blocks=blocks,
             dynamic_axes=dynamic_axes,
+            attention=attention,
         )
         self._wrap(module, options)
 
@@ -188,6 +196,7 @@ class ORTModule(nn.Module):
             options.debug_options,
             options.fallback,
             DiskCache(options.cache_dir) if options.cache_dir is not None else None,
+            options.attention,
         )
         self._dynamic = options.dynamic
         self._dynamic_axes = axes
@@ -216,6 +225,11 @@ class ORTModule(nn.Module):
     def fallback(self) -> Fallback:
         """``"auto"`` (ops ONNX Runtime cannot run go to PyTorch) or ``"raise"``."""
         return self._build_options.fallback
+
+    @property
+    def attention(self) -> AttentionPath:
+        """Where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (in the graphs) or ``"torch"``."""
+        return self._build_options.attention
 
     @property
     def dynamic(self) -> bool | None:

@@ -28,6 +28,11 @@ CudaMemory = Literal["torch", "shared_arena", "session_arena"]
 
 CUDA_MEMORY: tuple[CudaMemory, ...] = ("torch", "shared_arena", "session_arena")
 
+AttentionPath = Literal["onnx", "torch"]
+"""Where ``F.scaled_dot_product_attention`` runs: translated into the ONNX graphs, or kept as one PyTorch op."""
+
+ATTENTION_PATHS: tuple[AttentionPath, ...] = ("onnx", "torch")
+
 Fallback = Literal["auto", "raise"]
 """What ORTModule does with ops ONNX cannot express: run them in PyTorch (``"auto"``) or fail (``"raise"``)."""
 
@@ -344,6 +349,7 @@ class ModuleOptions:
     dynamic: bool | None = None
     blocks: tuple[BlockSpec, ...] | Literal["auto"] | None = None
     dynamic_axes: dict[str, tuple[int, ...]] | None = None
+    attention: AttentionPath = "onnx"
 
     @classmethod
     def checked(
@@ -355,13 +361,14 @@ class ModuleOptions:
         dynamic: bool | None = None,
         blocks: Sequence[BlockSpec] | str | None = None,
         dynamic_axes: Mapping[str, Sequence[int] | int] | None = None,
+        attention: str = "onnx",
     ) -> ModuleOptions:
         """The options, each checked and in one form.
 
         Raises:
             TypeError: an option of the wrong type (the error names it and what it takes).
-            ValueError: an unknown fallback, an axis that is not an integer, or ``dynamic=False`` with
-                ``dynamic_axes``.
+            ValueError: an unknown fallback or attention path, an axis that is not an integer, or
+                ``dynamic=False`` with ``dynamic_axes``.
         """
         if debug_options is not None and not isinstance(debug_options, DebugOptions):
             raise argument_type_error("debug_options", debug_options, "a DebugOptions or None")
@@ -379,7 +386,28 @@ class ModuleOptions:
             dynamic,
             _block_specs(blocks),
             _axes(dynamic_axes, dynamic),
+            parse_attention(attention),
         )
+
+
+def parse_attention(value: str) -> AttentionPath:
+    """``value`` as an :data:`AttentionPath`.
+
+    Raises:
+        TypeError: ``value`` is not a string.
+        ValueError: ``value`` is not ``"onnx"`` or ``"torch"``.
+
+    Example:
+        >>> parse_attention("torch")
+        'torch'
+    """
+    if not isinstance(value, str):
+        raise argument_type_error("attention", value, f"one of {', '.join(map(repr, ATTENTION_PATHS))}")
+    for path in ATTENTION_PATHS:
+        if value == path:
+            return path
+    allowed = ", ".join(map(repr, ATTENTION_PATHS))
+    raise ValueError(f"attention={value!r} is not one of {allowed}: 'onnx' (default) or 'torch'.")
 
 
 def _block_specs(blocks: Sequence[BlockSpec] | str | None) -> tuple[BlockSpec, ...] | Literal["auto"] | None:

@@ -266,13 +266,16 @@ def test_runtime_chooses_the_runtimes_and_names_each_ort_memory_route(
 
     monkeypatch.setattr(bench, "peak_memory_mib", peaks)
     args = ["--module", "tests.test_bench:tiny_workload", "--steps", "1", "--warmup", "0", "--no-lightning"]
-    report = bench.main([*args, "--runtime", "ort/session_arena", "--runtime", "ort/torch"])
+    variants = ["ort/cuda_memory=session_arena", "ort/attention=torch/cuda_memory=torch"]
+    report = bench.main([*args, "--runtime", variants[0], "--runtime", variants[1]])
     (workload,) = report.workloads
-    assert list(workload.runtimes) == probed == ["eager", "ort/session_arena", "ort/torch"], "eager always, first"
+    assert list(workload.runtimes) == probed == ["eager", *variants], "eager always, first"
     assert workload.max_abs_loss_diff_ort < 1e-4
-    assert "ort/session_arena" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        bench.main([*args, "--runtime", "ort/nowhere"])
+    assert variants[0] in capsys.readouterr().out
+    for wrong in ("ort/nowhere", "ort/cuda_memory=arena", "eager/attention=torch"):
+        with pytest.raises(SystemExit):
+            bench.main([*args, "--runtime", wrong])
+        assert "is not a runtime" in capsys.readouterr().err
 
 
 def test_memory_study_trains_eager_then_each_route_with_the_shared_arena_last(
@@ -280,12 +283,14 @@ def test_memory_study_trains_eager_then_each_route_with_the_shared_arena_last(
 ) -> None:
     args = ["memory", "--device", "cpu", "--module", "tests.test_bench:tiny_workload", "--steps", "2"]
     report = bench.main([*args, "shared_arena", "torch"])
-    assert [run.runtime for run in report.memory] == ["eager", "ort/torch", "ort/shared_arena"]
+    assert [run.runtime for run in report.memory] == ["eager", "ort/cuda_memory=torch", "ort/cuda_memory=shared_arena"]
     eager = report.memory[0]
     for run in report.memory:
         assert run.peak_mib is None, "the routes are CUDA settings: no peak on CPU"
         assert run.pytorch_fallback == ""
         torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(eager.losses), rtol=1e-4, atol=1e-5)
-    assert "ort/shared_arena" in capsys.readouterr().out
+    assert "ort/cuda_memory=shared_arena" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main([*args, "arena"])
+    report = bench.main([*args, "--attention", "torch", "torch"])
+    assert [run.runtime for run in report.memory] == ["eager", "ort/cuda_memory=torch/attention=torch"]

@@ -160,3 +160,20 @@ def test_the_callback_bridge_trains_as_eager(monkeypatch: pytest.MonkeyPatch) ->
     wrapped = ORTModule(copy.deepcopy(eager), session_settings=SessionSettings(cuda_memory="torch"))
     ids = torch.randint(0, 64, (4, 16), device="cuda")
     torch.testing.assert_close(wrapped(ids), eager(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_attention_in_pytorch_trains_as_eager_on_cuda() -> None:
+    # SDPA runs as PyTorch's fused CUDA kernels (flash or memory-efficient) between ONNX Runtime partitions.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    eager = transformers.GPT2LMHeadModel(config).cuda()
+    wrapped = ORTModule(copy.deepcopy(eager), attention="torch", fallback="raise")
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+    expected, actual = eager(input_ids=ids, labels=ids).loss, wrapped(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+    expected.backward()
+    actual.backward()
+    assert_grads_close(wrapped, eager)
+    assert wrapped.statistics.fallback_ops == 0 and wrapped.providers[0] == "CUDAExecutionProvider"

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_ort.bench.report import Report
 from lightning_ort.bench.workloads import Workload, synchronize
 from lightning_ort.module import ORTModule
-from lightning_ort.options import CUDA_MEMORY, CudaMemory, SessionSettings
+from lightning_ort.options import CUDA_MEMORY, AttentionPath, CudaMemory, SessionSettings
 
 WARMUP = 2
 """Untimed steps after the first."""
@@ -32,8 +32,8 @@ WARMUP = 2
 
 @dataclass
 class MemoryRun:
-    """One runtime (``"eager"`` or ``"ort/ROUTE"``): median and first step, peak device memory (``None`` on CPU),
-    and what of ORTModule's step ran in PyTorch (``""``: nothing)."""
+    """One runtime (``"eager"`` or ``"ort/cuda_memory=ROUTE"``): median and first step, peak device memory
+    (``None`` on CPU), and what of ORTModule's step ran in PyTorch (``""``: nothing)."""
 
     runtime: str
     step_ms: float
@@ -44,12 +44,22 @@ class MemoryRun:
 
 
 def run_memory_study(
-    workload: Workload, routes: Sequence[CudaMemory], device: torch.device, steps: int, autocast: torch.dtype | None
+    workload: Workload,
+    routes: Sequence[CudaMemory],
+    device: torch.device,
+    steps: int,
+    autocast: torch.dtype | None,
+    attention: AttentionPath = "onnx",
 ) -> list[MemoryRun]:
-    """Eager, then ORTModule under each route of ``routes`` (the shared arena last), on ``workload``."""
+    """Eager, then ORTModule under each route of ``routes`` (the shared arena last) with ``attention``, on
+    ``workload``."""
     ordered = sorted(dict.fromkeys(routes), key=lambda route: route == "shared_arena")
-    runs = [_train("eager", workload, device, steps, autocast, None)]
-    runs += [_train(f"ort/{route}", workload, device, steps, autocast, route) for route in ordered]
+    suffix = "" if attention == "onnx" else f"/attention={attention}"
+    runs = [_train("eager", workload, device, steps, autocast, None, attention)]
+    runs += [
+        _train(f"ort/cuda_memory={route}{suffix}", workload, device, steps, autocast, route, attention)
+        for route in ordered
+    ]
     return runs
 
 
@@ -60,6 +70,7 @@ def _train(
     steps: int,
     autocast: torch.dtype | None,
     route: CudaMemory | None,
+    attention: AttentionPath,
 ) -> MemoryRun:
     cuda = device.type == "cuda"
     synchronize(device)
@@ -70,7 +81,8 @@ def _train(
     torch.manual_seed(0)
     model = copy.deepcopy(workload.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    module = model if route is None else ORTModule(model, session_settings=SessionSettings(cuda_memory=route))
+    settings = SessionSettings(cuda_memory=route) if route is not None else None
+    module = model if settings is None else ORTModule(model, session_settings=settings, attention=attention)
     scaler = torch.amp.GradScaler(device.type, enabled=autocast is torch.float16)
     times_s: list[float] = []
     losses: list[float] = []
@@ -110,19 +122,20 @@ def _outside_torch(device: torch.device) -> int:
 def format_memory_report(runs: Sequence[MemoryRun], workload: str) -> str:
     """The table ``memory`` prints: per runtime, the step against eager's and the peak against eager's."""
     eager = runs[0]
+    width = max(20, *(len(run.runtime) + 2 for run in runs))
     lines = [
         f"CUDA memory routes on {workload}: one process, one runtime after another (routes: {', '.join(CUDA_MEMORY)})",
-        f"{'runtime':<20}{'step ms':>9}{'vs eager':>10}{'first step s':>14}{'peak MiB':>10}{'x eager':>9}",
+        f"{'runtime':<{width}}{'step ms':>9}{'vs eager':>10}{'first step s':>14}{'peak MiB':>10}{'x eager':>9}",
     ]
     for run in runs:
         peak = f"{run.peak_mib:>10.0f}" if run.peak_mib is not None else f"{'-':>10}"
         ratio = f"{run.peak_mib / eager.peak_mib:>8.2f}x" if run.peak_mib and eager.peak_mib else f"{'-':>9}"
         lines.append(
-            f"{run.runtime:<20}{run.step_ms:>9.2f}{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}"
+            f"{run.runtime:<{width}}{run.step_ms:>9.2f}{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}"
             f"{peak}{ratio}"
         )
         if run.pytorch_fallback:
-            lines.append(f"{'':<20}  ^ not all ONNX Runtime: {run.pytorch_fallback}")
+            lines.append(f"{'':<{width}}  ^ not all ONNX Runtime: {run.pytorch_fallback}")
     return "\n".join(lines)
 
 

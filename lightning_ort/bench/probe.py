@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_ort.bench import depth, shapes
-from lightning_ort.bench.runner import RUNTIME_CHOICES, build_workloads, memory_probe
+from lightning_ort.bench.runner import build_workloads, memory_probe, runtime_name
 from lightning_ort.bench.workloads import WORKLOADS
 
 
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     padded.add_argument("--steps", type=int, required=True)
     memory = kinds.add_parser("memory")
     memory.add_argument("workload", help=f"one of {sorted(WORKLOADS)}, or package.module:factory")
-    memory.add_argument("--runtime", choices=RUNTIME_CHOICES, required=True)
+    memory.add_argument("--runtime", type=runtime_name, required=True)
     memory.add_argument("--device", default="cpu")
     memory.add_argument("--precision", default="fp32")
     args = parser.parse_args(argv)

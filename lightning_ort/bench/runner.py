@@ -54,12 +54,53 @@ from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
-from lightning_ort.options import CUDA_MEMORY, CudaMemory, DebugOptions, SessionSettings
+from lightning_ort.options import (
+    ATTENTION_PATHS,
+    CUDA_MEMORY,
+    AttentionPath,
+    CudaMemory,
+    DebugOptions,
+    SessionSettings,
+)
 
 RUNTIMES = ("eager", "inductor", "ort")
 """The runtimes a run compares by default; eager always runs first, as the reference of the ratios."""
-RUNTIME_CHOICES = (*RUNTIMES, *(f"ort/{memory}" for memory in CUDA_MEMORY))
-"""``--runtime``'s values: ``ort/ROUTE`` is ORTModule with ``SessionSettings(cuda_memory=ROUTE)``."""
+ORT_VARIANTS = {"cuda_memory": CUDA_MEMORY, "attention": ATTENTION_PATHS}
+"""The ORTModule options a runtime name may set: ``ort/cuda_memory=shared_arena/attention=torch``."""
+
+
+def runtime_name(name: str) -> str:
+    """``name`` if it is a runtime: ``eager``, ``inductor``, ``ort``, or ``ort`` with options (:data:`ORT_VARIANTS`).
+
+    Raises:
+        argparse.ArgumentTypeError: it is not (as ``--runtime``'s type, argparse reports it).
+
+    Example:
+        >>> runtime_name("ort/attention=torch")
+        'ort/attention=torch'
+    """
+    base, *settings = name.split("/")
+    if base in RUNTIMES and not settings and base != "ort":
+        return name
+    options = [setting.partition("=") for setting in settings]
+    if base != "ort" or any(key not in ORT_VARIANTS or value not in ORT_VARIANTS[key] for key, _, value in options):
+        variants = "; ".join(f"{key}={'|'.join(values)}" for key, values in ORT_VARIANTS.items())
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a runtime: eager, inductor, ort, or ort/OPTION=VALUE... with {variants}"
+        )
+    return name
+
+
+def ort_variant(name: str) -> dict[str, str]:
+    """The ORTModule options of runtime ``name`` (``{}`` for ``"ort"``).
+
+    Example:
+        >>> ort_variant("ort/cuda_memory=shared_arena/attention=torch")
+        {'cuda_memory': 'shared_arena', 'attention': 'torch'}
+    """
+    return {key: value for key, _, value in (setting.partition("=") for setting in name.split("/")[1:])}
+
+
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``--precision``: the autocast dtype (``None``: no autocast)."""
 LIGHTNING_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -233,10 +274,12 @@ class _Runner:
         self.model: nn.Module = model
         if name == "inductor":
             self.model = torch.compile(model)  # type: ignore[assignment]
-        elif name.partition("/")[0] == "ort":
-            memory = name.partition("/")[2]
-            settings = SessionSettings(cuda_memory=cast(CudaMemory, memory)) if memory else None
-            self.model = ORTModule(model, debug_options, session_settings=settings)
+        elif name.split("/")[0] == "ort":
+            variant = ort_variant(name)
+            memory = cast(CudaMemory, variant.get("cuda_memory", "torch"))
+            attention = cast(AttentionPath, variant.get("attention", "onnx"))
+            settings = SessionSettings(cuda_memory=memory)
+            self.model = ORTModule(model, debug_options, session_settings=settings, attention=attention)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.autocast_dtype = PRECISIONS[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)
@@ -507,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
         routes = args.routes or list(CUDA_MEMORY)
         if unknown := [route for route in routes if route not in CUDA_MEMORY]:
             parser.error(f"memory: {', '.join(unknown)} is not a route; the routes are {', '.join(CUDA_MEMORY)}")
-        memory = run_memory_study(workload, routes, device, args.steps, PRECISIONS[args.precision])
+        memory = run_memory_study(workload, routes, device, args.steps, PRECISIONS[args.precision], args.attention)
         machine = _machine(args, device)
         return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
     workloads = build_workloads(args.workload, args.module, device)
@@ -585,10 +628,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
     run.add_argument(
         "--runtime",
-        choices=RUNTIME_CHOICES,
+        type=runtime_name,
         action="append",
-        help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/ROUTE: ORTModule with "
-        "SessionSettings(cuda_memory=ROUTE), to compare the CUDA memory routes in one run",
+        help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
+        "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
+        "attention=onnx|torch (ort/attention=torch/cuda_memory=shared_arena)",
     )
     run.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
     run.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
@@ -639,6 +683,9 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt2", help="default: gpt2")
     memory.add_argument("--module", help="your own workload instead: package.module:factory")
     memory.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
+    memory.add_argument(
+        "--attention", choices=ATTENTION_PATHS, default="onnx", help="ORTModule's attention path (default onnx)"
+    )
     return parser
 
 

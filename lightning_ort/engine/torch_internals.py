@@ -195,6 +195,26 @@ def graph_break_reasons() -> list[Any] | None:
     return reasons if isinstance(reasons, list) else None
 
 
+# SDPA's fused kernels, by the ATen ops they dispatch to: the set differs between torch releases.
+_FUSED_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+FUSED_ATTENTION_FORWARD: frozenset[Any] = frozenset(
+    getattr(torch.ops.aten, name).default for name in _FUSED_ATTENTION_OPS if hasattr(torch.ops.aten, name)
+) | frozenset({torch.ops.aten.scaled_dot_product_attention.default})
+"""SDPA and the fused forward ops it dispatches to (flash, memory-efficient, cuDNN, the CPU flash kernel)."""
+FUSED_ATTENTION: frozenset[Any] = FUSED_ATTENTION_FORWARD | frozenset(
+    getattr(torch.ops.aten, f"{name}_backward").default
+    for name in _FUSED_ATTENTION_OPS
+    if hasattr(torch.ops.aten, f"{name}_backward")
+)
+"""The fused forward ops and their backward ops."""
+
+
 # TorchDynamo's and the exporter's wording, read where they report nothing else.
 RECOMPILE_LOGGER = "torch._dynamo.convert_frame"
 """The logger TorchDynamo warns on when it stops recompiling a function (a recompile limit)."""

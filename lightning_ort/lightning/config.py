@@ -25,6 +25,7 @@ from torch import nn
 from lightning_ort.deployment import ExportSpec, check_export_target
 from lightning_ort.options import (
     PROVIDERS_ACCEPTED,
+    AttentionPath,
     CudaMemory,
     DebugOptions,
     Fallback,
@@ -65,6 +66,9 @@ class ORTConfig:
             :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
         release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
             run (see :class:`~lightning_ort.SessionSettings`).
+        attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs) or
+            ``"torch"`` (PyTorch's fused kernels between ONNX Runtime partitions; see
+            :class:`~lightning_ort.ORTModule`).
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator), ``"shared_arena"``
             or ``"session_arena"`` (see :class:`~lightning_ort.SessionSettings`).
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
@@ -109,6 +113,7 @@ class ORTConfig:
     allow_spinning: bool = True
     release_torch_threads: bool = True
     cuda_memory: CudaMemory = "torch"
+    attention: AttentionPath = "onnx"
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None
     dynamic: bool | None = None
@@ -153,6 +158,7 @@ class ORTConfig:
             dynamic=self.dynamic,
             blocks=self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
             dynamic_axes=self.dynamic_axes,
+            attention=self.attention,
         )
         normalised = {
             "modules": _names(self.modules),

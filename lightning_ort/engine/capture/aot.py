@@ -14,6 +14,7 @@ is reused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -130,19 +131,22 @@ class CapturedGraph:
         :class:`FallbackWarning`, or raises under ``fallback="raise"``.
         """
         start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
-        substitute_functions(self._gm)
+        attention_path = self._options.attention
+        substitute_functions(self._gm, attention_path)
         backend = aot_autograd(
             fw_compiler=self._graph_compiler("forward"),
             bw_compiler=self._graph_compiler("backward"),
             inference_compiler=self._graph_compiler("inference"),
             partition_fn=_partition,
-            decompositions=capture_decompositions(self._device.type),
+            decompositions=capture_decompositions(self._device.type, attention_path),
         )
         try:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
             # attention, for instance) takes its math path: the fused kernels' backward ops have no ONNX
-            # translation, and their auxiliary outputs do not survive the export.
-            with sdpa_kernel(SDPBackend.MATH), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
+            # translation, and their auxiliary outputs do not survive the export. Under attention="torch" the
+            # fused kernels run in PyTorch, forward and backward.
+            kernels = sdpa_kernel(SDPBackend.MATH) if attention_path == "onnx" else contextlib.nullcontext()
+            with kernels, _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
                 compiled = self._compile_with_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the

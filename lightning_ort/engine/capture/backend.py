@@ -57,7 +57,7 @@ from lightning_ort.errors import (
     warn,
 )
 from lightning_ort.logs import ScopedFilter, get_logger
-from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_fallback
+from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_attention, parse_fallback
 
 log = get_logger(__name__)
 
@@ -288,11 +288,12 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
     """
     debug_fields = {f.name for f in dataclasses.fields(DebugOptions)}
     settings_fields = {f.name for f in dataclasses.fields(SessionSettings)}
-    unknown = set(options) - debug_fields - settings_fields - {"fallback", "cache_dir"}
+    build_fields = {"fallback", "cache_dir", "attention"}
+    unknown = set(options) - debug_fields - settings_fields - build_fields
     if unknown:
         raise ValueError(
             f"torch.compile(backend='ort', options=...): unknown option(s) {sorted(unknown)}; the options are "
-            f"{sorted(debug_fields | settings_fields | {'fallback', 'cache_dir'})}."
+            f"{sorted(debug_fields | settings_fields | build_fields)}."
         )
     cache_dir = options.get("cache_dir")
     return BuildOptions(
@@ -300,6 +301,7 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
         DebugOptions(**{k: v for k, v in options.items() if k in debug_fields}),
         parse_fallback(options.get("fallback", "auto")),
         DiskCache(cache_dir) if cache_dir is not None else None,
+        parse_attention(options.get("attention", "onnx")),
     )
 
 

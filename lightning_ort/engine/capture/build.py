@@ -27,6 +27,7 @@ from lightning_ort.engine.capture.blocks import BlockCall, BlockGraphs
 from lightning_ort.engine.capture.partition import (
     PartitionCall,
     PartitionedGraph,
+    attention_nodes,
     describe_ops,
     split_graph,
     unsupported_nodes,
@@ -36,7 +37,7 @@ from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.runtime.session import GraphSession, providers_for
 from lightning_ort.errors import ExportError, FallbackWarning, LightningORTError, SessionError, first_line, warn
 from lightning_ort.logs import get_logger
-from lightning_ort.options import DebugOptions, Fallback, LogLevel, SessionSettings
+from lightning_ort.options import AttentionPath, DebugOptions, Fallback, LogLevel, SessionSettings
 
 log = get_logger(__name__)
 
@@ -51,12 +52,15 @@ class BuildOptions:
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch (and code TorchDynamo cannot trace in
             PyTorch between graphs), warning once; ``"raise"`` makes both an error.
         disk_cache: where exported graphs are saved and looked up, or ``None``.
+        attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs) or
+            ``"torch"`` (its fused kernels, between ONNX Runtime partitions).
     """
 
     settings: SessionSettings = field(default_factory=SessionSettings)
     debug: DebugOptions = field(default_factory=DebugOptions)
     fallback: Fallback = "auto"
     disk_cache: DiskCache | None = None
+    attention: AttentionPath = "onnx"
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ class GraphBuilder:
             key, graph = self._load_cached(gm, example_inputs, name)
             if graph is not None:
                 return self._open_session(graph)
-        unsupported = unsupported_nodes(gm)
+        kept = attention_nodes(gm) if self._options.attention == "torch" else {}
+        unsupported = {name: reason for name, reason in unsupported_nodes(gm).items() if name not in kept}
         if unsupported and self._options.fallback == "raise":
             raise ExportError(
                 f"the {name} graph has ops ONNX Runtime cannot run: {describe_ops(gm, unsupported)}.\n"
@@ -201,23 +206,26 @@ class GraphBuilder:
                 "ORTModule, or pass fallback='auto' to run just those ops in PyTorch.",
                 list(unsupported),
             )
-        if not unsupported and not blocks:
+        if not unsupported and not kept and not blocks:
             try:
                 return self._open_session(self._export_and_store(gm, example_inputs, name, key))
             except (ExportError, SessionError) as err:
                 if self._options.fallback == "raise":
                     raise self._with_culprits(gm, err) from err
                 unsupported = self._blamed_nodes(gm, {}, err)
-        return self._split_around(gm, unsupported, name)
+        return self._split_around(gm, unsupported, name, kept)
 
-    def _split_around(self, gm: torch.fx.GraphModule, unsupported: dict[str, str], name: str) -> PartitionedGraph:
-        """Run ``unsupported`` nodes in PyTorch, block calls in their own graphs, the rest in ONNX Runtime partitions.
+    def _split_around(
+        self, gm: torch.fx.GraphModule, unsupported: dict[str, str], name: str, kept: dict[str, str]
+    ) -> PartitionedGraph:
+        """Run ``unsupported`` and ``kept`` nodes in PyTorch, block calls in their own graphs, the rest in ONNX
+        Runtime partitions. ``kept`` ones run there by request: they are neither warned about nor counted.
 
         A partition whose export (or session creation) fails at another op gets that op moved to PyTorch as
         well, and the graph is split again.
         """
         while True:
-            split, partitions = split_graph(gm, unsupported)
+            split, partitions = split_graph(gm, {**kept, **unsupported})
             sessions: list[GraphSession] = []
             try:
                 for index, partition in enumerate(partitions):
@@ -226,7 +234,7 @@ class GraphBuilder:
                     sessions.append(self._partition_session(sub, examples, f"{name}_part{index}"))
                     setattr(split, partition, PartitionCall(sub, sessions[-1]))
             except (ExportError, SessionError) as err:
-                unsupported = {**unsupported, **self._blamed_nodes(gm, unsupported, err)}
+                unsupported = {**unsupported, **self._blamed_nodes(gm, {**kept, **unsupported}, err)}
                 continue
             if unsupported:
                 self._build_log.add(fallback_ops=len(unsupported))

@@ -25,7 +25,13 @@ from lightning_ort.engine.fx.replacements import DROPOUT_KEEP
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.export import copy_graph_module, onnx_registry
 from lightning_ort.engine.runtime.session import GraphSession
-from lightning_ort.engine.torch_internals import EXPORTER_STEPS, FakeTensor, HigherOrderOperator, OpOverload
+from lightning_ort.engine.torch_internals import (
+    EXPORTER_STEPS,
+    FUSED_ATTENTION,
+    FakeTensor,
+    HigherOrderOperator,
+    OpOverload,
+)
 from lightning_ort.errors import node_origin
 
 aten = torch.ops.aten
@@ -59,6 +65,20 @@ def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
         elif any(dtype.is_complex for dtype in dtypes):
             reasons[node.name] = "ONNX Runtime has no complex tensors for"
     return reasons
+
+
+def attention_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """SDPA's fused forward and backward nodes of ``gm``, by name, each with the reason it runs in PyTorch.
+
+    Under ``attention="torch"`` these run between ONNX Runtime partitions by request: PyTorch's fused kernels
+    compute attention without materializing its scores, and the backward kernel reads the softmax statistics
+    its forward saved.
+    """
+    return {
+        node.name: "attention='torch' keeps in PyTorch"
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target in FUSED_ATTENTION
+    }
 
 
 def describe_ops(gm: torch.fx.GraphModule, reasons: dict[str, str]) -> str:

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from lightning_ort.engine.torch_internals import core_aten_decompositions, get_decompositions
+from lightning_ort.engine.torch_internals import FUSED_ATTENTION_FORWARD, core_aten_decompositions, get_decompositions
+from lightning_ort.options import AttentionPath
 
 aten = torch.ops.aten
 
@@ -587,8 +588,11 @@ def log_ndtr(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
+def capture_decompositions(device_type: str, attention_path: AttentionPath = "onnx") -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
+
+    With ``attention_path="torch"`` SDPA's fused forward stays whole, as its backward does: a decomposed forward
+    does not give the backward kernel the softmax statistics it expects.
 
     ``select_backward`` stays whole so that :mod:`lightning_ort.engine.fx.passes` can turn sums of them into
     one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` replaces ATen's
@@ -598,6 +602,9 @@ def capture_decompositions(device_type: str) -> dict[Any, Callable[..., Any]]:
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)
+    if attention_path == "torch":
+        for op in FUSED_ATTENTION_FORWARD:
+            core.pop(op, None)
     return {
         **core,
         **get_decompositions(

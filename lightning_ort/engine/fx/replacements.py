@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from lightning_ort.engine.torch_internals import canonical_mask, none_or_dtype
+from lightning_ort.options import AttentionPath
 
 aten = torch.ops.aten
 
@@ -243,10 +244,11 @@ def multi_head_attention(
     return torch.nn.functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
 
 
-def substitute_functions(gm: torch.fx.GraphModule) -> int:
+def substitute_functions(gm: torch.fx.GraphModule, attention_path: AttentionPath = "onnx") -> int:
     """Replace calls of ``torch.nn.functional`` functions whose traced form exports badly, in place.
 
-    SDPA's fused kernels have backward ops with no ONNX translation (:func:`attention` is its math path),
+    SDPA's fused kernels have backward ops with no ONNX translation (:func:`attention` is its math path; with
+    ``attention_path="torch"`` SDPA stays, to run in PyTorch between ONNX Runtime partitions),
     ``F.multi_head_attention_forward`` splits heads with many layout copies (:func:`multi_head_attention`), and
     ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`). Returns the calls replaced.
 
@@ -257,7 +259,9 @@ def substitute_functions(gm: torch.fx.GraphModule) -> int:
     """
     replaced = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SUBSTITUTES:
+        if node.op != "call_function" or node.target not in _SUBSTITUTES:
+            continue
+        if attention_path == "onnx" or node.target is not torch.nn.functional.scaled_dot_product_attention:
             node.target = _SUBSTITUTES[node.target]
             replaced += 1
     if replaced:
