@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -294,3 +295,16 @@ def test_memory_study_trains_eager_then_each_route_with_the_shared_arena_last(
         bench.main([*args, "arena"])
     report = bench.main([*args, "--attention", "torch", "torch"])
     assert [run.runtime for run in report.memory] == ["eager", "ort/cuda_memory=torch/attention=torch"]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet", "convnext"])
+def test_vision_workloads_train_in_onnx_runtime_within_eagers_float64_spread(name: str) -> None:
+    # Batch norm over 16 small images and thousands of ReLUs make float32 gradients sensitive to rounding, so
+    # ORT is held to eager float32's own distance to float64 (on inputs perturbed by a few ulps too).
+    from lightning_ort import ORTModule
+    from tests.helpers import assert_fp64_accuracy
+
+    workload = bench_workloads.WORKLOADS[name](torch.device("cpu"))
+    wrapped = ORTModule(copy.deepcopy(workload.model), fallback="raise")
+    assert_fp64_accuracy(workload.model, wrapped, *workload.inputs, perturbations=2)
+    assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0

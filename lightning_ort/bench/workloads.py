@@ -4,6 +4,9 @@
   dropout 0.1), ``Linear(256, 1000)``; 32 x 64 tokens, cross-entropy.
 * ``mlp``: ``Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10)``, batch 256.
 * ``cnn``: a conv/BatchNorm/ReLU stem and three residual stages (32, 64, 128 channels) on 64 images 32x32x3.
+* ``resnet18``, ``mobilenet``, ``convnext``: the vision networks of :mod:`lightning_ort.bench.vision` (ResNet-18,
+  MobileNetV2, and ConvNeXt at widths 48-384 and depths 2, 2, 4, 2) on 16 images of 64x64x3, 100 classes: dense
+  3x3, depthwise 3x3 and depthwise 7x7 convolutions. They run only when asked for (``--workload resnet18``).
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel`` with its default configuration (12 layers, width 768, dropout 0.1),
   8 x 512 tokens, its own loss from ``labels``. Sized for a GPU, so it runs only when asked for
   (``--workload gpt2``); it needs ``transformers``.
@@ -24,6 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_ort.bench.vision import BasicBlock, ConvNeXt, MobileNetV2, ResNet18
+
 
 @dataclass
 class Workload:
@@ -38,31 +43,6 @@ class Workload:
     def forward(self, model: nn.Module) -> Any:
         """``model``'s output on this workload's batch."""
         return model(*self.inputs, **self.kwargs)
-
-
-class ResidualBlock(nn.Module):
-    """Two 3x3 conv/BatchNorm layers with a skip connection (a 1x1 projection when the shape changes).
-
-    Example:
-        >>> ResidualBlock(3, 8, stride=2)(torch.randn(2, 3, 8, 8)).shape
-        torch.Size([2, 8, 4, 4])
-    """
-
-    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels_out)
-        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels_out)
-        self.skip: nn.Module = nn.Identity()
-        if stride != 1 or channels_in != channels_out:
-            self.skip = nn.Sequential(
-                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
 
 
 class TransformerLM(nn.Module):
@@ -115,14 +95,39 @@ def cnn_workload(device: torch.device) -> Workload:
         nn.Conv2d(3, 32, 3, 1, 1, bias=False),
         nn.BatchNorm2d(32),
         nn.ReLU(),
-        ResidualBlock(32, 32, 1),
-        ResidualBlock(32, 64, 2),
-        ResidualBlock(64, 128, 2),
+        BasicBlock(32, 32, 1),
+        BasicBlock(32, 64, 2),
+        BasicBlock(64, 128, 2),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(128, 10),
     )
     return Workload("cnn", model, (images,), _token_loss(labels))
+
+
+def _images(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 images of 64x64x3 and their labels among 100 classes, the same for every vision workload."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(16, 3, 64, 64, generator=g).to(device), torch.randint(0, 100, (16,), generator=g).to(device)
+
+
+def resnet18_workload(device: torch.device) -> Workload:
+    """ResNet-18, 100 classes, on 16 images of 64x64x3."""
+    images, labels = _images(device)
+    return Workload("resnet18", ResNet18(classes=100), (images,), _token_loss(labels))
+
+
+def mobilenet_workload(device: torch.device) -> Workload:
+    """MobileNetV2 (width 1.0), 100 classes, on 16 images of 64x64x3."""
+    images, labels = _images(device)
+    return Workload("mobilenet", MobileNetV2(classes=100), (images,), _token_loss(labels))
+
+
+def convnext_workload(device: torch.device) -> Workload:
+    """ConvNeXt blocks at widths 48, 96, 192, 384 and depths 2, 2, 4, 2, 100 classes, on 16 images of 64x64x3."""
+    images, labels = _images(device)
+    model = ConvNeXt(widths=(48, 96, 192, 384), depths=(2, 2, 4, 2), classes=100)
+    return Workload("convnext", model, (images,), _token_loss(labels))
 
 
 def gpt2_workload(device: torch.device) -> Workload:
@@ -138,6 +143,9 @@ WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
     "transformer": transformer_workload,
     "mlp": mlp_workload,
     "cnn": cnn_workload,
+    "resnet18": resnet18_workload,
+    "mobilenet": mobilenet_workload,
+    "convnext": convnext_workload,
     "gpt2": gpt2_workload,
 }
 DEFAULT_WORKLOADS = ("transformer", "mlp", "cnn")

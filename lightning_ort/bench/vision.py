@@ -1,0 +1,194 @@
+"""Vision networks for the benchmark, in plain ``torch.nn`` (no torchvision): the convolution shapes of real nets.
+
+* :class:`ResNet18`: ResNet-18 (a 7x7 stride-2 stem, max pooling, four stages of two basic blocks, 64 to 512
+  channels), whose cost is dense 3x3 convolutions;
+* :class:`MobileNetV2`: MobileNetV2 (inverted residual blocks: a 1x1 expansion, a 3x3 depthwise convolution and
+  a 1x1 projection, with ReLU6), whose cost is depthwise and pointwise convolutions;
+* :class:`ConvNeXt`: ConvNeXt blocks (a 7x7 depthwise convolution, LayerNorm over channels, a pointwise MLP
+  with GELU and a layer scale), at a reduced width and depth.
+
+Each follows the published architecture; the bench's workloads (:mod:`lightning_ort.bench.workloads`) train them
+on small images, sized for a CPU step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 conv/BatchNorm layers and a skip (a 1x1 projection when the shape changes).
+
+    Example:
+        >>> BasicBlock(8, 16, stride=2)(torch.randn(2, 8, 8, 8)).shape
+        torch.Size([2, 16, 4, 4])
+    """
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels_out:
+            self.skip = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 with ``classes`` outputs.
+
+    Example:
+        >>> ResNet18(classes=10)(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        stages: list[nn.Module] = []
+        channels = 64
+        for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            stages += [BasicBlock(channels, width, stride), BasicBlock(width, width, 1)]
+            channels = width
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(512, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(images)).mean((2, 3)))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expansion by ``expand``, 3x3 depthwise convolution, 1x1 projection, ReLU6; a
+    skip when the shape is kept.
+
+    Example:
+        >>> InvertedResidual(16, 16, stride=1, expand=6)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 16, 8, 8])
+    """
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = channels_in * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(channels_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.ReLU6(),
+            nn.Conv2d(hidden, channels_out, 1, bias=False),
+            nn.BatchNorm2d(channels_out),
+        ]
+        self.layers = nn.Sequential(*layers)
+        self.residual = stride == 1 and channels_in == channels_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layers(x)
+        return x + y if self.residual else y
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 (width 1.0) with ``classes`` outputs.
+
+    Example:
+        >>> MobileNetV2(classes=10)(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    # (expansion, channels, blocks, first block's stride), as published.
+    SETTINGS = (
+        (1, 16, 1, 1),
+        (6, 24, 2, 2),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    )
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6()]
+        channels = 32
+        for expand, width, blocks, stride in self.SETTINGS:
+            for index in range(blocks):
+                layers.append(InvertedResidual(channels, width, stride if index == 0 else 1, expand))
+                channels = width
+        layers += [nn.Conv2d(channels, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(1280, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images).mean((2, 3)))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: 7x7 depthwise convolution, LayerNorm over channels, Linear to 4x, GELU, Linear back,
+    a learned per-channel scale, and the skip.
+
+    Example:
+        >>> ConvNeXtBlock(16)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 16, 8, 8])
+    """
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels, eps=1e-6)
+        self.expand = nn.Linear(channels, 4 * channels)
+        self.project = nn.Linear(4 * channels, channels)
+        self.scale = nn.Parameter(torch.full((channels,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        y = self.project(F.gelu(self.expand(self.norm(y)))) * self.scale
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ConvNeXt(nn.Module):
+    """ConvNeXt: a 4x4 stride-4 stem, four stages of :class:`ConvNeXtBlock` with downsampling between them.
+
+    Example:
+        >>> ConvNeXt(widths=(8, 16, 24, 32), depths=(1, 1, 1, 1), classes=10)(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(
+        self,
+        widths: tuple[int, ...] = (96, 192, 384, 768),
+        depths: tuple[int, ...] = (3, 3, 9, 3),
+        classes: int = 1000,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 4, 4), ChannelNorm(widths[0])]
+        for stage, (width, depth) in enumerate(zip(widths, depths)):
+            if stage:
+                layers += [ChannelNorm(widths[stage - 1]), nn.Conv2d(widths[stage - 1], width, 2, 2)]
+            layers += [ConvNeXtBlock(width) for _ in range(depth)]
+        self.features = nn.Sequential(*layers)
+        self.norm = nn.LayerNorm(widths[-1], eps=1e-6)
+        self.head = nn.Linear(widths[-1], classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.features(images).mean((2, 3))))
+
+
+class ChannelNorm(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW tensor, as ConvNeXt's stem and downsampling layers use it."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels, eps=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
