@@ -240,6 +240,25 @@ def test_nchwc_convolution_computes_the_same_as_conv(attributes: dict[str, objec
     np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-4, atol=1e-4)
 
 
+@needs_nchwc
+@pytest.mark.parametrize("blocks", [(1, 1), (3, 2), (2, 5)], ids=["one-block", "3-out-2-in", "2-out-5-in"])
+def test_nchwc_weights_are_reordered_without_a_transpose(blocks: tuple[int, int]) -> None:
+    # The weight is reordered each run (it is a graph input); MLAS's threaded ReorderInput does it, not the
+    # single-threaded Transpose that made the reorder most of ResNet-18's step.
+    block = nchwc_block_size()
+    out_channels, in_channels = blocks[0] * block, blocks[1] * block
+    model = _conv_model(in_channels, out_channels, {"pads": [1, 1, 1, 1]}, False)
+    rng = np.random.default_rng(1)
+    feeds = {
+        "x": rng.standard_normal((2, in_channels, 9, 9), dtype=np.float32),
+        "w": rng.standard_normal((out_channels, in_channels, 3, 3), dtype=np.float32),
+    }
+    expected = _run(model, feeds)
+    assert use_nchwc_convolutions(model, block) == 1
+    assert "Transpose" not in {node.op_type for node in model.graph.node}
+    np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("in_channels", "out_channels", "attributes", "dtype"),
     [
