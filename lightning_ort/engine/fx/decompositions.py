@@ -97,8 +97,7 @@ def _input_grad(
     if all(s == 1 for s in stride) and all(p >= 0 for p in full_padding):
         out_channels, in_per_group = weight.shape[0], weight.shape[1]
         flipped = weight.reshape(groups, out_channels // groups, in_per_group, *kernel).transpose(1, 2)
-        flipped = flipped.reshape(groups * in_per_group, out_channels // groups, *kernel)
-        flipped = flipped.flip(list(range(2, 2 + spatial)))
+        flipped = _reversed_taps(flipped.reshape(groups * in_per_group, out_channels // groups, *kernel))
         no_adjust = [0] * spatial
         return aten.convolution(grad_output, flipped, None, stride, full_padding, dilation, False, no_adjust, groups)
     out_size = grad_output.shape[2:]
@@ -107,6 +106,27 @@ def _input_grad(
         for i in range(spatial)
     ]
     return aten.convolution(grad_output, weight, None, stride, padding, dilation, True, adjust, groups)
+
+
+def _reversed_taps(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with its kernel flipped along every spatial axis: its taps in reverse order.
+
+    ``flip`` exports as a ``Slice`` with negative steps, which ONNX Runtime's CPU kernel runs on one thread; on
+    CPU the reversal is a product with the exchange matrix instead, which MLAS runs threaded and which is exact
+    for finite weights (each tap times 1.0, plus zeros). Not on CUDA, where ``Slice`` is a parallel kernel and a
+    TF32 product would round the weights.
+
+    Example:
+        >>> w = torch.randn(4, 2, 3, 3)
+        >>> torch.equal(_reversed_taps(w), w.flip([2, 3]))
+        True
+    """
+    kernel = weight.shape[2:]
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
+        return weight.flip(list(range(2, 2 + len(kernel))))
+    taps = math.prod(kernel)
+    exchange = torch.eye(taps, dtype=weight.dtype, device=weight.device).flip(0)
+    return (weight.reshape(-1, taps) @ exchange).reshape(weight.shape)
 
 
 def _weight_grad(
