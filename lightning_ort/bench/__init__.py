@@ -3,6 +3,7 @@
 * :mod:`~lightning_ort.bench.runner`: the command line, and the training-step comparison of eager PyTorch,
   ``torch.compile`` (inductor) and ORTModule on each workload;
 * :mod:`~lightning_ort.bench.workloads`: the reference workloads and the ``--module`` factory contract;
+* :mod:`~lightning_ort.bench.runtimes`: the runtimes by name (``ort/attention=torch``...) and the step each runs;
 * :mod:`~lightning_ort.bench.vision`: the vision networks of the ``resnet18``, ``mobilenet`` and ``convnext``
   workloads, in plain ``torch.nn``;
 * :mod:`~lightning_ort.bench.depth`: ``depth``, the first step against layer count;

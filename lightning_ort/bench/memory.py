@@ -12,9 +12,7 @@ peak is reported.
 
 from __future__ import annotations
 
-import copy
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,9 +20,9 @@ import torch
 from typing_extensions import override
 
 from lightning_ort.bench.report import Report
+from lightning_ort.bench.runtimes import Runner, cuda_memory_mark, cuda_peak_growth
 from lightning_ort.bench.workloads import Workload, synchronize
-from lightning_ort.module import ORTModule
-from lightning_ort.options import CUDA_MEMORY, AttentionPath, CudaMemory, SessionSettings
+from lightning_ort.options import CUDA_MEMORY, AttentionPath, CudaMemory
 
 WARMUP = 2
 """Untimed steps after the first."""
@@ -48,75 +46,33 @@ def run_memory_study(
     routes: Sequence[CudaMemory],
     device: torch.device,
     steps: int,
-    autocast: torch.dtype | None,
+    precision: str = "fp32",
     attention: AttentionPath = "onnx",
 ) -> list[MemoryRun]:
     """Eager, then ORTModule under each route of ``routes`` (the shared arena last) with ``attention``, on
-    ``workload``."""
+    ``workload`` under ``precision`` (as ``run --precision``)."""
     ordered = sorted(dict.fromkeys(routes), key=lambda route: route == "shared_arena")
     suffix = "" if attention == "onnx" else f"/attention={attention}"
-    runs = [_train("eager", workload, device, steps, autocast, None, attention)]
-    runs += [
-        _train(f"ort/cuda_memory={route}{suffix}", workload, device, steps, autocast, route, attention)
-        for route in ordered
-    ]
-    return runs
+    names = ["eager", *(f"ort/cuda_memory={route}{suffix}" for route in ordered)]
+    return [_train(name, workload, device, steps, precision) for name in names]
 
 
-def _train(
-    name: str,
-    workload: Workload,
-    device: torch.device,
-    steps: int,
-    autocast: torch.dtype | None,
-    route: CudaMemory | None,
-    attention: AttentionPath,
-) -> MemoryRun:
+def _train(name: str, workload: Workload, device: torch.device, steps: int, precision: str) -> MemoryRun:
     cuda = device.type == "cuda"
     synchronize(device)
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        allocated, outside = torch.cuda.memory_allocated(device), _outside_torch(device)
+        mark = cuda_memory_mark(device)
     torch.manual_seed(0)
-    model = copy.deepcopy(workload.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    settings = SessionSettings(cuda_memory=route) if route is not None else None
-    module = model if settings is None else ORTModule(model, session_settings=settings, attention=attention)
-    scaler = torch.amp.GradScaler(device.type, enabled=autocast is torch.float16)
-    times_s: list[float] = []
-    losses: list[float] = []
-    for _ in range(1 + WARMUP + steps):
-        synchronize(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            loss = workload.loss_fn(workload.forward(module))
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        synchronize(device)
-        times_s.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    peak = None
-    if cuda:
-        grown = torch.cuda.max_memory_allocated(device) - allocated + max(_outside_torch(device) - outside, 0)
-        peak = grown / 2**20
-    fallback = ""
-    if isinstance(module, ORTModule):
-        stats = module.statistics
-        if stats.eager_signatures or stats.fallback_ops:
-            fallback = f"{stats.eager_signatures} signature(s) in PyTorch, {stats.fallback_ops} op(s) in PyTorch"
+    runner = Runner(name, workload, device, precision=precision)
+    first_step_s = runner.step()
+    for _ in range(WARMUP):
+        runner.step()
+    times_s = [runner.step() for _ in range(steps)]
+    peak = cuda_peak_growth(device, mark) / 2**20 if cuda else None
     return MemoryRun(
-        name, statistics.median(times_s[1 + WARMUP :]) * 1e3, times_s[0], peak, losses, pytorch_fallback=fallback
+        name, statistics.median(times_s) * 1e3, first_step_s, peak, runner.losses, runner.pytorch_fallback()
     )
-
-
-def _outside_torch(device: torch.device) -> int:
-    """Device memory in use that PyTorch's caching allocator does not hold."""
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device)
 
 
 def format_memory_report(runs: Sequence[MemoryRun], workload: str) -> str:

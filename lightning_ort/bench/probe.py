@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from lightning_ort.bench import depth, shapes
-from lightning_ort.bench.runner import build_workloads, memory_probe, runtime_name
+from lightning_ort.bench.runner import build_workloads, memory_probe
+from lightning_ort.bench.runtimes import runtime_name
 from lightning_ort.bench.workloads import WORKLOADS
 
 

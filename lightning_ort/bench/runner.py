@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
@@ -50,6 +49,14 @@ from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
 from lightning_ort.bench.memory import MemoryReport, run_memory_study
 from lightning_ort.bench.report import Report
+from lightning_ort.bench.runtimes import (
+    PRECISIONS,
+    RUNTIMES,
+    Runner,
+    cuda_memory_mark,
+    cuda_peak_growth,
+    runtime_name,
+)
 from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
@@ -57,52 +64,9 @@ from lightning_ort.module import ORTModule
 from lightning_ort.options import (
     ATTENTION_PATHS,
     CUDA_MEMORY,
-    AttentionPath,
-    CudaMemory,
     DebugOptions,
-    SessionSettings,
 )
 
-RUNTIMES = ("eager", "inductor", "ort")
-"""The runtimes a run compares by default; eager always runs first, as the reference of the ratios."""
-ORT_VARIANTS = {"cuda_memory": CUDA_MEMORY, "attention": ATTENTION_PATHS}
-"""The ORTModule options a runtime name may set: ``ort/cuda_memory=shared_arena/attention=torch``."""
-
-
-def runtime_name(name: str) -> str:
-    """``name`` if it is a runtime: ``eager``, ``inductor``, ``ort``, or ``ort`` with options (:data:`ORT_VARIANTS`).
-
-    Raises:
-        argparse.ArgumentTypeError: it is not (as ``--runtime``'s type, argparse reports it).
-
-    Example:
-        >>> runtime_name("ort/attention=torch")
-        'ort/attention=torch'
-    """
-    base, *settings = name.split("/")
-    if base in RUNTIMES and not settings and base != "ort":
-        return name
-    options = [setting.partition("=") for setting in settings]
-    if base != "ort" or any(key not in ORT_VARIANTS or value not in ORT_VARIANTS[key] for key, _, value in options):
-        variants = "; ".join(f"{key}={'|'.join(values)}" for key, values in ORT_VARIANTS.items())
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not a runtime: eager, inductor, ort, or ort/OPTION=VALUE... with {variants}"
-        )
-    return name
-
-
-def ort_variant(name: str) -> dict[str, str]:
-    """The ORTModule options of runtime ``name`` (``{}`` for ``"ort"``).
-
-    Example:
-        >>> ort_variant("ort/cuda_memory=shared_arena/attention=torch")
-        {'cuda_memory': 'shared_arena', 'attention': 'torch'}
-    """
-    return {key: value for key, _, value in (setting.partition("=") for setting in name.split("/")[1:])}
-
-
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""``--precision``: the autocast dtype (``None``: no autocast)."""
 LIGHTNING_PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
@@ -205,31 +169,19 @@ def peak_memory_mib(
 def memory_probe(workload: Workload, runtime: str, device: torch.device, precision: str) -> float:
     """Peak memory, in MiB, of ``runtime``'s setup and two training steps of ``workload`` in this process."""
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-        outside_baseline = _cuda_memory_outside_torch(device)
+        mark = cuda_memory_mark(device)
     else:
         with open("/proc/self/statm") as statm:
             baseline = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    runner = _Runner(runtime, workload, device, precision=precision)
+    runner = Runner(runtime, workload, device, precision=precision)
     runner.step()
     runner.step()
     if device.type == "cuda":
-        outside = max(_cuda_memory_outside_torch(device) - outside_baseline, 0)
-        peak = torch.cuda.max_memory_allocated(device) + outside
-    else:
-        # VmHWM, not getrusage's ru_maxrss: the latter keeps the parent's high-water mark across fork and exec.
-        with open("/proc/self/status") as status:
-            peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+        return cuda_peak_growth(device, mark) / 2**20
+    # VmHWM, not getrusage's ru_maxrss: the latter keeps the parent's high-water mark across fork and exec.
+    with open("/proc/self/status") as status:
+        peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     return (peak - baseline) / 2**20
-
-
-def _cuda_memory_outside_torch(device: torch.device) -> int:
-    """Device memory in use that PyTorch's caching allocator does not hold: ONNX Runtime's CUDA arena (which
-    keeps its peak size), cuBLAS/cuDNN workspaces and loaded kernels."""
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device)
 
 
 def matmul_gflops(device: torch.device, size: int = 2048, repeats: int = 10) -> float:
@@ -258,64 +210,6 @@ def step_matmul_flops(workload: Workload) -> int:
     return int(counter.get_total_flops())
 
 
-class _Runner:
-    """One runtime's copy of the model, its optimizer and its step."""
-
-    def __init__(
-        self,
-        name: str,
-        workload: Workload,
-        device: torch.device,
-        debug_options: DebugOptions | None = None,
-        precision: str = "fp32",
-    ) -> None:
-        model = copy.deepcopy(workload.model)
-        self.name = name
-        self.model: nn.Module = model
-        if name == "inductor":
-            self.model = torch.compile(model)  # type: ignore[assignment]
-        elif name.split("/")[0] == "ort":
-            variant = ort_variant(name)
-            memory = cast(CudaMemory, variant.get("cuda_memory", "torch"))
-            attention = cast(AttentionPath, variant.get("attention", "onnx"))
-            settings = SessionSettings(cuda_memory=memory)
-            self.model = ORTModule(model, debug_options, session_settings=settings, attention=attention)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        self.autocast_dtype = PRECISIONS[precision]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)
-        self.workload = workload
-        self.device = device
-        self.losses: list[float] = []
-        self.times_ms: list[float] = []
-        self.first_step_s = 0.0
-
-    def pytorch_fallback(self) -> str:
-        """What of an ORTModule's step ran in PyTorch instead (``""``: everything ran in ONNX Runtime)."""
-        if not isinstance(self.model, ORTModule):
-            return ""
-        stats = self.model.statistics
-        if stats.eager_signatures:
-            return "the whole model ran in PyTorch (ONNX Runtime could not build its graphs; see the warning)"
-        if stats.fallback_ops:
-            return f"{stats.fallback_ops} op(s) ran in PyTorch between ONNX Runtime partitions"
-        return ""
-
-    def step(self) -> float:
-        synchronize(self.device)
-        start = time.perf_counter()
-        dtype = self.autocast_dtype
-        with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = self.workload.loss_fn(self.workload.forward(self.model))
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        self.losses.append(loss.item())
-        return elapsed
-
-
 def run_workload(
     workload: Workload,
     device: torch.device,
@@ -327,10 +221,10 @@ def run_workload(
     runtimes: Sequence[str] = RUNTIMES,
 ) -> WorkloadResult:
     """Time ``runtimes`` (eager first) on ``workload``: warm-up, then ``steps`` timed steps in alternating blocks."""
-    runners: list[_Runner] = []
+    runners: list[Runner] = []
     for name in runtimes:
         torch.manual_seed(0)
-        runner = _Runner(name, workload, device, precision=precision)
+        runner = Runner(name, workload, device, precision=precision)
         runner.first_step_s = runner.step()
         for _ in range(warmup):
             runner.step()
@@ -370,7 +264,7 @@ def profile_workload(
     """
     torch.manual_seed(0)
     debug = DebugOptions(profile=True, save_path=directory, onnx_prefix=re.sub(r"[^\w.-]", "_", workload.name))
-    runner = _Runner("ort", workload, device, debug, precision)
+    runner = Runner("ort", workload, device, debug, precision)
     for _ in range(1 + warmup):
         runner.step()
     times_ms = [runner.step() * 1e3 for _ in range(steps)]
@@ -413,7 +307,7 @@ def run_lightning(
         def train_dataloader(self) -> list[int]:
             return list(range(steps + warmup + 1))
 
-    plain = _Runner("ort", workload, device, precision=precision)
+    plain = Runner("ort", workload, device, precision=precision)
     for _ in range(warmup + 1):
         plain.step()
     # The plain loop's steps are timed before and after the Trainer's, so that a machine that slows down or
@@ -550,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
         routes = args.routes or list(CUDA_MEMORY)
         if unknown := [route for route in routes if route not in CUDA_MEMORY]:
             parser.error(f"memory: {', '.join(unknown)} is not a route; the routes are {', '.join(CUDA_MEMORY)}")
-        memory = run_memory_study(workload, routes, device, args.steps, PRECISIONS[args.precision], args.attention)
+        memory = run_memory_study(workload, routes, device, args.steps, args.precision, args.attention)
         machine = _machine(args, device)
         return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
     workloads = build_workloads(args.workload, args.module, device)
