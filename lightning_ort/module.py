@@ -22,6 +22,7 @@ from lightning_ort.engine.capture.backend import (
     DynamoEvents,
     ModuleStatistics,
     ORTBackend,
+    fast_path_modules,
     fast_path_off,
     tracing_settings,
 )
@@ -50,6 +51,7 @@ _OWN_STATE = frozenset(
         "_dynamic",
         "_dynamic_axes",
         "_blocks",
+        "_fast_path_modules",
         "_calls",
         "_building_calls",
         "_called",
@@ -201,6 +203,7 @@ class ORTModule(nn.Module):
         self._dynamic = options.dynamic
         self._dynamic_axes = axes
         self._blocks = tuple(block_classes)
+        self._fast_path_modules = fast_path_modules(module)
         mark_blocks(module, block_classes)
         self._calls = 0
         self._building_calls = 0
@@ -378,7 +381,7 @@ class ORTModule(nn.Module):
             with (
                 model_log_level(self._build_options.debug.python_level),
                 tracing_settings(),
-                fast_path_off(self._original_module),
+                fast_path_off(self._fast_path_modules),
                 DynamoEvents(self._backend, type(self._original_module).__name__, self.fallback),
             ):
                 output = self._compiled(self._original_module, *args, **kwargs)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_ort import DebugOptions, ORTModule, export_for_deployment
-from lightning_ort.engine.capture.backend import fast_path_off, ort
+from lightning_ort.engine.capture.backend import fast_path_modules, fast_path_off, ort
 from tests.helpers import assert_grads_close, weighted_loss
 from tests.zoo import MLP
 from tests.zoo.architectures import LSTMTagger
@@ -278,7 +278,7 @@ def test_training_calls_leave_the_attention_fast_path_switch_alone(monkeypatch: 
 
 def test_concurrent_calls_share_one_fast_path_switch_restored_by_the_last() -> None:
     encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1).eval()
-    first, second = fast_path_off(encoder), fast_path_off(encoder)
+    first, second = fast_path_off(fast_path_modules(encoder)), fast_path_off(fast_path_modules(encoder))
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)

@@ -364,8 +364,20 @@ class _FastPathSwitch:
 _FAST_PATH = _FastPathSwitch()
 
 
-def fast_path_off(module: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Turn PyTorch's attention inference fast path off for a call of ``module`` that could take it.
+def fast_path_modules(module: nn.Module) -> tuple[nn.Module, ...]:
+    """The submodules of ``module`` that can take PyTorch's attention inference fast path (see
+    :func:`fast_path_off`); found once, when a model is wrapped, not on every call.
+
+    Example:
+        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)
+        >>> [type(m).__name__ for m in fast_path_modules(encoder)]
+        ['TransformerEncoder', 'TransformerEncoderLayer', 'MultiheadAttention']
+    """
+    return tuple(child for child in module.modules() if isinstance(child, _FAST_PATH_MODULES))
+
+
+def fast_path_off(modules: Sequence[nn.Module]) -> contextlib.AbstractContextManager[None]:
+    """Turn PyTorch's attention inference fast path off for a call that could take it in one of ``modules``.
 
     ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` in eval mode or without autograd run one
     fused op, over nested tensors for padded batches, that neither TorchDynamo nor ONNX translate. The switch
@@ -374,18 +386,17 @@ def fast_path_off(module: nn.Module) -> contextlib.AbstractContextManager[None]:
     and it is restored when the last such call, in any thread, returns.
 
     Example:
-        >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)
-        >>> with fast_path_off(encoder.train()):
+        >>> encoder = fast_path_modules(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 1))
+        >>> with fast_path_off(encoder):
         ...     torch.backends.mha.get_fastpath_enabled()
         True
-        >>> with fast_path_off(encoder.eval()):
+        >>> with torch.no_grad(), fast_path_off(encoder):
         ...     torch.backends.mha.get_fastpath_enabled()
         False
     """
     grad = torch.is_grad_enabled()
-    for child in module.modules():
-        if isinstance(child, _FAST_PATH_MODULES) and not (grad and child.training):
-            return _FAST_PATH.off()
+    if any(not (grad and module.training) for module in modules):
+        return _FAST_PATH.off()
     return contextlib.nullcontext()
 
 
