@@ -407,7 +407,10 @@ def parse_attention(value: str) -> AttentionPath:
         if value == path:
             return path
     allowed = ", ".join(map(repr, ATTENTION_PATHS))
-    raise ValueError(f"attention={value!r} is not one of {allowed}: 'onnx' (default) or 'torch'.")
+    raise ValueError(
+        f"attention={value!r} is not one of {allowed}: 'onnx' (default) exports attention's math into the graphs, "
+        "'torch' keeps F.scaled_dot_product_attention as PyTorch's fused kernels."
+    )
 
 
 def _block_specs(blocks: Sequence[BlockSpec] | str | None) -> tuple[BlockSpec, ...] | Literal["auto"] | None:

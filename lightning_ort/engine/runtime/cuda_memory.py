@@ -94,6 +94,13 @@ def _register_shared_cuda_arena(device_index: int) -> None:
     ort.create_and_register_allocator_v2("CUDAExecutionProvider", cuda, {"device_id": str(device_index)}, arena)
 
 
+def _bridge(keep: tuple[Any, ...], kind: Literal["compiled", "callbacks"]) -> TorchAllocator:
+    """A :class:`TorchAllocator` of the alloc, free and empty-cache functions first in ``keep``, which holds
+    what they live in."""
+    alloc, free, empty_cache = (_address(function) for function in keep[:3])
+    return TorchAllocator(alloc, free, empty_cache, kind=kind, keep=keep)
+
+
 def _address(function: Any) -> int:
     address = ctypes.cast(function, ctypes.c_void_p).value
     assert address is not None
@@ -126,8 +133,7 @@ def compiled_allocator() -> TorchAllocator:
         library.lightning_ort_cuda_free,
         library.lightning_ort_cuda_empty_cache,
     )
-    alloc, free, empty_cache = (_address(f) for f in functions)
-    return TorchAllocator(alloc, free, empty_cache, kind="compiled", keep=(library,))
+    return _bridge((*functions, library), "compiled")
 
 
 _AllocFunction = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)
@@ -149,8 +155,7 @@ def callback_allocator(
         (4096, {4096: 64})
     """
     functions = (_AllocFunction(alloc), _FreeFunction(free), _EmptyCacheFunction(empty_cache))
-    addresses = [_address(f) for f in functions]
-    return TorchAllocator(addresses[0], addresses[1], addresses[2], kind="callbacks", keep=functions)
+    return _bridge(functions, "callbacks")
 
 
 @Once
