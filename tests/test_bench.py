@@ -163,7 +163,9 @@ def test_gpt2_workload_is_hugging_face_defaults_with_its_own_loss() -> None:
     pytest.importorskip("transformers")
     workload = bench_workloads.WORKLOADS["gpt2"](torch.device("cpu"))
     assert type(workload.model).__name__ == "GPT2LMHeadModel"
+    defaults = workload.model.config.__class__()
     assert (workload.model.config.n_layer, workload.model.config.n_embd) == (12, 768)
+    assert (workload.model.config.n_head, workload.model.config.n_positions) == (defaults.n_head, defaults.n_positions)
     assert workload.inputs == () and workload.kwargs["input_ids"].shape == (8, 512)
     assert workload.kwargs["labels"] is workload.kwargs["input_ids"]
     assert "gpt2" not in bench_workloads.DEFAULT_WORKLOADS
@@ -246,7 +248,7 @@ def test_the_command_line_is_one_sub_command_per_study_with_no_hidden_options(
 ) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--help"])
-    assert "{run,depth,shapes,fsdp,memory}" in capsys.readouterr().out
+    assert "{run,depth,shapes,fsdp,memory,table}" in capsys.readouterr().out
     for study in bench.STUDIES:
         with pytest.raises(SystemExit):
             bench.main([study, "--help"])
@@ -308,3 +310,24 @@ def test_vision_workloads_train_in_onnx_runtime_within_eagers_float64_spread(nam
     wrapped = ORTModule(copy.deepcopy(workload.model), fallback="raise")
     assert_fp64_accuracy(workload.model, wrapped, *workload.inputs, perturbations=2)
     assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
+
+
+def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    args = ["table", "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "0", "--runtime", "ort"]
+    report = bench.main([*args, "--row", "mlp/fp32", "--row", "gpt2/bf16"])
+    assert [(row.workload, row.precision) for row in report.rows] == [("mlp", "fp32"), ("gpt2", "bf16")]
+    for row in report.rows:
+        assert [run.runtime for run in row.runs] == ["eager", "ort"]
+        for run in row.runs:
+            assert len(run.step_ms_all) == 2 and run.first_step_s > 0
+            assert run.peak_mib is None, "no peak on CPU: one process cannot tell its runtimes' memory apart"
+            assert run.pytorch_fallback == ""
+    assert report.rows[0].max_abs_loss_diff < 1e-4
+    assert report.rows[1].max_abs_loss_diff < 0.1, "bf16 autocast: eager and ORT round differently"
+    assert report.lightning_workload == "mlp" and report.trainer_ms > 0 and report.plain_loop_ms > 0
+    out = capsys.readouterr().out
+    assert "GPT-2 at --tiny's size" in out and "Trainer(strategy='ort')" in out and "the table took" in out
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--row", "gpt2/fp8"])
+    assert "is not a row" in capsys.readouterr().err

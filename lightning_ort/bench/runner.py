@@ -14,10 +14,11 @@ ORTModule of the first workload. ``--precision bf16`` or ``fp16`` runs every run
 ONNX Runtime's time outside kernels, and the rest of the step (PyTorch: loss, autograd, AdamW).
 
 That is the ``run`` sub-command, the default. The workloads and the ``--module`` factory contract are in
-:mod:`lightning_ort.bench.workloads`; the ``depth``, ``shapes``, ``fsdp`` and ``memory`` studies (``python -m
-lightning_ort.bench depth 2 12``) in :mod:`lightning_ort.bench.depth`, :mod:`lightning_ort.bench.shapes`,
-:mod:`lightning_ort.bench.fsdp` and :mod:`lightning_ort.bench.memory`; the measurements they take in fresh
-processes in :mod:`lightning_ort.bench.probe`.
+:mod:`lightning_ort.bench.workloads`; the ``depth``, ``shapes``, ``fsdp``, ``memory`` and ``table`` studies
+(``python -m lightning_ort.bench depth 2 12``) in :mod:`lightning_ort.bench.depth`,
+:mod:`lightning_ort.bench.shapes`, :mod:`lightning_ort.bench.fsdp`, :mod:`lightning_ort.bench.memory` and
+:mod:`lightning_ort.bench.table` (the GPU table in one command); the measurements they take in fresh processes
+in :mod:`lightning_ort.bench.probe`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ from lightning_ort.bench.runtimes import (
     cuda_memory_mark,
     cuda_peak_growth,
     runtime_name,
+    time_in_blocks,
 )
 from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
+from lightning_ort.bench.table import TABLE_ROWS, TINY_GPT2, TableReport, run_table, table_row
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
@@ -229,9 +232,7 @@ def run_workload(
         for _ in range(warmup):
             runner.step()
         runners.append(runner)
-    for first in range(0, steps, block):
-        for runner in runners:
-            runner.times_ms.extend(runner.step() * 1e3 for _ in range(min(block, steps - first)))
+    time_in_blocks(runners, steps, block)
     flops = step_matmul_flops(workload)
     floor_ms = flops / (gflops * 1e9) * 1e3
     eager_ms = statistics.median(runners[0].times_ms)
@@ -410,7 +411,7 @@ def inductor_cache(cold: bool) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-STUDIES = ("run", "depth", "shapes", "fsdp", "memory")
+STUDIES = ("run", "depth", "shapes", "fsdp", "memory", "table")
 """The sub-commands; ``run`` (the workloads) is the default."""
 
 
@@ -418,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     """Command-line entry point; returns the report it printed (the study's own report type).
 
     ``python -m lightning_ort.bench [run] ...`` times the workloads; ``depth LAYERS...``, ``shapes LENGTH...``,
-    ``fsdp RANKS`` and ``memory [ROUTE...]`` run the studies. Without a sub-command the arguments are ``run``'s.
+    ``fsdp RANKS``, ``memory [ROUTE...]`` and ``table`` run the studies. Without a sub-command the arguments
+    are ``run``'s.
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if not arguments or (arguments[0] not in STUDIES and arguments[0] not in ("-h", "--help")):
@@ -447,8 +449,10 @@ def main(argv: Sequence[str] | None = None) -> Report:
         memory = run_memory_study(workload, routes, device, args.steps, args.precision, args.attention)
         machine = _machine(args, device)
         return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
-    workloads = build_workloads(args.workload, args.module, device)
     runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or RUNTIMES if r != "eager")]
+    if args.study == "table":
+        return _emit(run_table_study(args, runtimes, device), args)
+    workloads = build_workloads(args.workload, args.module, device)
     machine = _machine(args, device)
     with inductor_cache(cold=not args.warm_inductor_cache):
         results = [
@@ -482,6 +486,22 @@ def main(argv: Sequence[str] | None = None) -> Report:
     return _emit(report, args)
 
 
+def run_table_study(args: argparse.Namespace, runtimes: Sequence[str], device: torch.device) -> TableReport:
+    """The ``table`` sub-command: its rows, then the Lightning timing on the first row's workload."""
+    start = time.perf_counter()
+    machine = _machine(args, device)
+    rows = run_table(args.row or TABLE_ROWS, runtimes, device, args.steps, args.warmup, args.tiny)
+    report = TableReport(**machine, rows=rows, tiny=args.tiny)
+    if not args.no_lightning:
+        name, precision = table_row((args.row or TABLE_ROWS)[0])
+        workload = (TINY_GPT2 if args.tiny and name == "gpt2" else WORKLOADS[name])(device)
+        workload.model.to(device)
+        light = run_lightning(workload, device, args.steps, args.warmup, precision)
+        report.lightning_workload, report.plain_loop_ms, report.trainer_ms = name, light.plain_loop_ms, light.trainer_ms
+    report.seconds = time.perf_counter() - start
+    return report
+
+
 def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device: torch.device) -> list[Workload]:
     """The workloads asked for by name and by ``--module`` spec (the reference set if neither), on ``device``."""
     factories = [WORKLOADS[name] for name in names or ([] if modules else DEFAULT_WORKLOADS)]
@@ -494,7 +514,7 @@ def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
-    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory}")
+    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory,table}")
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
@@ -504,8 +524,22 @@ def _parser() -> argparse.ArgumentParser:
     layered = argparse.ArgumentParser(add_help=False)
     layered.add_argument("--layers", type=int, default=4, help="the model's layer count (default 4)")
 
+    timed = argparse.ArgumentParser(add_help=False)  # the studies that time runtimes against eager
+    timed.add_argument(
+        "--runtime",
+        type=runtime_name,
+        action="append",
+        help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
+        "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
+        "attention=onnx|torch (ort/attention=torch/cuda_memory=shared_arena)",
+    )
+    timed.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
+    timed.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
+
     run = studies.add_parser(
-        "run", parents=[shared], help="time training steps of the workloads: eager, inductor, ORTModule (default)"
+        "run",
+        parents=[shared, timed],
+        help="time training steps of the workloads: eager, inductor, ORTModule (default)",
     )
     run.add_argument(
         "--workload",
@@ -520,16 +554,6 @@ def _parser() -> argparse.ArgumentParser:
         help="fp32, or torch.autocast to bf16 or fp16 (fp16 with a GradScaler) (default fp32)",
     )
     run.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
-    run.add_argument(
-        "--runtime",
-        type=runtime_name,
-        action="append",
-        help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
-        "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
-        "attention=onnx|torch (ort/attention=torch/cuda_memory=shared_arena)",
-    )
-    run.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
-    run.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")
     run.add_argument(
         "--warm-inductor-cache",
         action="store_true",
@@ -580,7 +604,31 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument(
         "--attention", choices=ATTENTION_PATHS, default="onnx", help="ORTModule's attention path (default onnx)"
     )
+
+    table = studies.add_parser(
+        "table",
+        parents=[shared, timed],
+        help="the GPU table: transformer, mlp and cnn in fp32 and GPT-2 8x512 in fp32 and bf16, eager, inductor "
+        "and ORTModule, step time and peak memory, then Trainer(strategy='ort') against a plain loop",
+    )
+    table.add_argument(
+        "--row",
+        type=_row,
+        action="append",
+        metavar="WORKLOAD/PRECISION",
+        help=f"repeatable; default: {' '.join(TABLE_ROWS)}",
+    )
+    table.add_argument("--tiny", action="store_true", help="GPT-2 with 2 layers of width 64 on 2x32 tokens (dry run)")
     return parser
+
+
+def _row(spec: str) -> str:
+    """``--row``'s type: a ``WORKLOAD/PRECISION`` spec, or argparse's error naming the choices."""
+    try:
+        table_row(spec)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return spec
 
 
 def _machine(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -125,6 +126,14 @@ class Runner:
         elapsed = time.perf_counter() - start
         self.losses.append(loss.item())
         return elapsed
+
+
+def time_in_blocks(runners: Sequence[Runner], steps: int, block: int = 5) -> None:
+    """Time ``steps`` steps of each runner into its ``times_ms``, ``block`` steps of one runner after another, so
+    that a machine that slows down or speeds up during the run moves every runtime's figures alike."""
+    for first in range(0, steps, block):
+        for runner in runners:
+            runner.times_ms.extend(runner.step() * 1e3 for _ in range(min(block, steps - first)))
 
 
 CudaMark = tuple[int, int]

@@ -130,12 +130,18 @@ def convnext_workload(device: torch.device) -> Workload:
     return Workload("convnext", model, (images,), _token_loss(labels))
 
 
-def gpt2_workload(device: torch.device) -> Workload:
-    """Hugging Face GPT2LMHeadModel, default configuration (12 layers, width 768), 8 x 512 tokens, its own loss."""
+def gpt2_workload(
+    device: torch.device, *, layers: int = 12, width: int = 768, batch: int = 8, length: int = 512
+) -> Workload:
+    """Hugging Face GPT2LMHeadModel, default configuration (12 layers, width 768), 8 x 512 tokens, its own loss.
+
+    The keywords shrink it for a dry run on CPU (``bench table --tiny``); the ``gpt2`` workload is the default.
+    """
     transformers = import_transformers("run --workload gpt2")
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 50257, (8, 512), generator=g).to(device)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1), n_positions=1024)
+    ids = torch.randint(0, config.vocab_size, (batch, length), generator=g).to(device)
+    model = transformers.GPT2LMHeadModel(config)
     return Workload("gpt2", model, (), lambda output: output.loss, {"input_ids": ids, "labels": ids})
 
 

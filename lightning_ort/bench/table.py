@@ -1,0 +1,184 @@
+"""The GPU table in one command: ``python -m lightning_ort.bench table --device cuda``.
+
+One process runs the rows a GPU comparison needs, each with eager PyTorch, inductor and ORTModule: the
+reference workloads (``transformer``, ``mlp``, ``cnn``) in fp32, then Hugging Face GPT-2 (12 layers, width 768,
+8 x 512 tokens) in fp32 and under bf16 autocast. For each runtime it reports the median step against eager's,
+the first step, and on CUDA the peak device memory against eager's: PyTorch's peak allocated memory while the
+runtime is built and warmed up, plus the growth of the device memory held outside PyTorch's allocator, measured
+in this process, one runtime after another (the ``run`` study's fresh process per runtime would export and
+compile every model twice more). Its timed steps then alternate between the runtimes in blocks, as ``run``'s
+do. Last, ``Trainer(strategy="ort")`` against a plain ORTModule loop on the first row's workload. The report
+ends with the time the whole table took.
+
+``--tiny`` shrinks GPT-2 (2 layers, width 64, 2 x 32 tokens) so that the command can be tried on a CPU before
+GPU time is spent on it; ``--row WORKLOAD/PRECISION`` and ``--runtime`` choose what runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from typing_extensions import override
+
+from lightning_ort.bench.report import Report
+from lightning_ort.bench.runtimes import PRECISIONS, Runner, cuda_memory_mark, cuda_peak_growth, time_in_blocks
+from lightning_ort.bench.workloads import WORKLOADS, Workload, gpt2_workload, synchronize
+
+TABLE_ROWS = ("transformer/fp32", "mlp/fp32", "cnn/fp32", "gpt2/fp32", "gpt2/bf16")
+"""The rows the table runs by default, as ``WORKLOAD/PRECISION``."""
+
+TINY_GPT2: Callable[[torch.device], Workload] = functools.partial(gpt2_workload, layers=2, width=64, batch=2, length=32)
+"""``--tiny``'s GPT-2: the default configuration's structure at a size a CPU trains in a second."""
+
+
+def table_row(spec: str) -> tuple[str, str]:
+    """``"gpt2/bf16"`` as ``("gpt2", "bf16")``; ``ValueError`` naming the choices for anything else.
+
+    Example:
+        >>> table_row("gpt2/bf16")
+        ('gpt2', 'bf16')
+    """
+    workload, _, precision = spec.partition("/")
+    if workload not in WORKLOADS or precision not in PRECISIONS:
+        raise ValueError(
+            f"{spec!r} is not a row: WORKLOAD/PRECISION with WORKLOAD one of {', '.join(sorted(WORKLOADS))} and "
+            f"PRECISION one of {', '.join(PRECISIONS)}"
+        )
+    return workload, precision
+
+
+@dataclass
+class TableRun:
+    """One runtime on one row: median and first step, peak device memory (``None`` on CPU, where freed memory
+    is not returned to the system and one process cannot tell its runtimes apart), and what of an ORTModule's
+    step ran in PyTorch (``""``: nothing)."""
+
+    runtime: str
+    step_ms: float
+    first_step_s: float
+    peak_mib: float | None
+    pytorch_fallback: str = ""
+    step_ms_all: list[float] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class TableRow:
+    """Every runtime on one workload under one precision; ``max_abs_loss_diff`` is the largest distance of an
+    ORTModule's loss from eager's over the same steps."""
+
+    workload: str
+    precision: str
+    runs: list[TableRun]
+    max_abs_loss_diff: float
+
+
+def run_table_row(
+    workload: Workload, precision: str, runtimes: Sequence[str], device: torch.device, steps: int, warmup: int
+) -> TableRow:
+    """Build and warm up each of ``runtimes`` (eager first) on ``workload`` one after another, measuring its peak
+    device memory, then time ``steps`` steps of each in alternating blocks."""
+    cuda = device.type == "cuda"
+    runners: list[Runner] = []
+    peaks: list[float | None] = []
+    for name in runtimes:
+        synchronize(device)
+        if cuda:
+            torch.cuda.empty_cache()
+            mark = cuda_memory_mark(device)
+        torch.manual_seed(0)
+        runner = Runner(name, workload, device, precision=precision)
+        runner.first_step_s = runner.step()
+        for _ in range(warmup):
+            runner.step()
+        peaks.append(cuda_peak_growth(device, mark) / 2**20 if cuda else None)
+        runners.append(runner)
+    time_in_blocks(runners, steps)
+    eager = runners[0]
+    runs = [
+        TableRun(
+            runner.name,
+            statistics.median(runner.times_ms),
+            runner.first_step_s,
+            peak,
+            runner.pytorch_fallback(),
+            runner.times_ms,
+        )
+        for runner, peak in zip(runners, peaks)
+    ]
+    loss_diff = max(
+        (abs(a - b) for r in runners if r.name.startswith("ort") for a, b in zip(eager.losses, r.losses)),
+        default=0.0,
+    )
+    return TableRow(workload.name, precision, runs, loss_diff)
+
+
+def run_table(
+    rows: Sequence[str], runtimes: Sequence[str], device: torch.device, steps: int, warmup: int, tiny: bool = False
+) -> list[TableRow]:
+    """Each of ``rows`` (``WORKLOAD/PRECISION``) with ``runtimes``; the models of one row are freed before the
+    next is built, so that each row's peaks start from the same empty device."""
+    results = []
+    for spec in rows:
+        name, precision = table_row(spec)
+        factory = TINY_GPT2 if tiny and name == "gpt2" else WORKLOADS[name]
+        workload = factory(device)
+        workload.model.to(device)
+        results.append(run_table_row(workload, precision, runtimes, device, steps, warmup))
+        del workload
+        gc.collect()
+    return results
+
+
+def format_table(rows: Sequence[TableRow]) -> list[str]:
+    """The table ``table`` prints: per row and runtime, the step and the peak, each against eager's."""
+    lines = [
+        f"{'workload':<13}{'precision':<11}{'runtime':<22}{'step ms':>9}{'vs eager':>10}{'first step s':>14}"
+        f"{'peak MiB':>10}{'x eager':>9}"
+    ]
+    for row in rows:
+        eager = row.runs[0]
+        for run in row.runs:
+            peak = f"{run.peak_mib:>10.0f}" if run.peak_mib is not None else f"{'-':>10}"
+            ratio = f"{run.peak_mib / eager.peak_mib:>8.2f}x" if run.peak_mib and eager.peak_mib else f"{'-':>9}"
+            lines.append(
+                f"{row.workload:<13}{row.precision:<11}{run.runtime:<22}{run.step_ms:>9.2f}"
+                f"{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}{peak}{ratio}"
+            )
+            if run.pytorch_fallback:
+                lines.append(f"{'':<24}  ^ not all ONNX Runtime: {run.pytorch_fallback}")
+        lines.append(f"{'':<24}(max |loss eager - loss ORT| {row.max_abs_loss_diff:.1e})")
+    return lines
+
+
+@dataclass
+class TableReport(Report):
+    """The ``table`` study: every row with every runtime, the Lightning overhead, and how long it all took."""
+
+    rows: list[TableRow] = field(default_factory=list)
+    lightning_workload: str = ""
+    plain_loop_ms: float = 0.0
+    trainer_ms: float = 0.0
+    seconds: float = 0.0
+    tiny: bool = False
+
+    @override
+    def conditions(self) -> list[str]:
+        sizes = ["GPT-2 at --tiny's size"] if self.tiny else []
+        return [*sizes, *super().conditions(), "peaks measured in this process, one runtime after another"]
+
+    @override
+    def body(self) -> list[str]:
+        lines = format_table(self.rows)
+        if self.lightning_workload:
+            overhead = self.trainer_ms / self.plain_loop_ms - 1.0
+            lines += [
+                "",
+                f"Lightning on {self.lightning_workload}: Trainer(strategy='ort') {self.trainer_ms:.2f} ms/step, "
+                f"plain ORTModule loop {self.plain_loop_ms:.2f} ms/step: {overhead:+.1%}",
+            ]
+        return [*lines, "", f"the table took {self.seconds:.0f} s"]
