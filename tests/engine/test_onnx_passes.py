@@ -1,5 +1,5 @@
 """ONNX-level rewrites: Gemm biases split off, transposed MatMul operands fused where that pays, NCHWc convolutions,
-bfloat16 computed in float32, reshapes collapsed."""
+bfloat16 computed in float32, reshapes collapsed, integer pads concatenated for CUDA."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from lightning_ort.engine.onnx.passes import (
     DISABLED_ORT_OPTIMIZERS,
     collapse_reshapes,
     compute_bfloat16_in_float,
+    cuda_host_nodes,
     dequantize_scaled_masks,
     fuse_transposed_operands,
     nchwc_block_size,
+    pad_by_concat,
     split_gemm_bias,
     sum_rows_by_product,
     use_nchwc_convolutions,
@@ -486,3 +488,92 @@ def test_reshape_chains_and_reshapes_that_change_nothing_are_removed_with_the_sa
 
 def _run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8])
+@pytest.mark.parametrize(
+    ("pads", "axes", "value"),
+    [([0, 0, 0, 1], None, 100), ([1, 2, 0, 3], None, 7), ([2, 1], [-1], 0), ([0, 1, 1, 0], None, None)],
+)
+def test_integer_pad_becomes_a_concatenation_with_the_same_values(
+    dtype: type, pads: list[int], axes: list[int] | None, value: int | None
+) -> None:
+    inputs = ["x", "pads", "value" if value is not None else "", *(["axes"] if axes is not None else [])]
+    initializers = [numpy_helper.from_array(np.array(pads, np.int64), "pads")]
+    if value is not None:
+        initializers.append(numpy_helper.from_array(np.array(value, dtype), "value"))
+    if axes is not None:
+        initializers.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+    elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        [helper.make_node("Pad", inputs, ["y"], "pad")],
+        "g",
+        [helper.make_tensor_value_info("x", elem_type, [3, 4])],
+        [helper.make_tensor_value_info("y", elem_type, None)],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    x = np.arange(12, dtype=dtype).reshape(3, 4)
+    expected = _run(model, {"x": x})
+    assert cuda_host_nodes(model) == ["Pad pad"]
+    rewritten = copy.deepcopy(model)
+    assert pad_by_concat(rewritten) == 1
+    assert "Pad" not in [node.op_type for node in rewritten.graph.node]
+    assert cuda_host_nodes(rewritten) == []
+    np.testing.assert_array_equal(_run(rewritten, {"x": x}), expected)
+
+
+@pytest.mark.parametrize(
+    ("elem_type", "mode", "pads"),
+    [
+        (TensorProto.FLOAT, "constant", [0, 1]),
+        (TensorProto.INT64, "reflect", [0, 1]),
+        (TensorProto.INT64, "constant", [0, -1]),
+    ],
+)
+def test_pads_with_a_cuda_kernel_or_that_are_not_constant_blocks_stay(
+    elem_type: int, mode: str, pads: list[int]
+) -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], "pad", mode=mode)],
+        "g",
+        [helper.make_tensor_value_info("x", elem_type, [4])],
+        [helper.make_tensor_value_info("y", elem_type, None)],
+        [numpy_helper.from_array(np.array(pads, np.int64), "pads")],
+    )
+    model = helper.make_model(graph, ir_version=10)
+    assert pad_by_concat(model) == 0
+    assert [node.op_type for node in model.graph.node] == ["Pad"]
+
+
+def test_static_gpt2_graphs_hold_no_shape_computation_and_nothing_for_the_host_on_cuda(tmp_path: Path) -> None:
+    """The graphs of Hugging Face GPT-2 at a static shape compute no shape; the one node the CUDA provider would
+    run on the host (the loss's ``Pad`` of the int64 labels) is gone after the CUDA graphs' passes."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 100, (2, 16))
+    debug = DebugOptions(save_onnx=True, onnx_prefix="gpt2", save_path=tmp_path)
+    ORTModule(model, debug)(input_ids=ids, labels=ids).loss.backward()
+    graphs = {path.stem: onnx.load(path) for path in tmp_path.glob("gpt2_*.onnx") if "optimized" not in path.stem}
+    assert set(graphs) == {"gpt2_training_forward", "gpt2_training_backward"}
+    assert [node.split()[0] for node in cuda_host_nodes(graphs["gpt2_training_forward"])] == ["Pad"]
+    assert cuda_host_nodes(graphs["gpt2_training_backward"]) == []
+    forward = graphs["gpt2_training_forward"]
+    inputs = {value.name: _random_input(value) for value in forward.graph.input}
+    expected = _run_all(forward, inputs)
+    assert pad_by_concat(forward) == 1
+    assert cuda_host_nodes(forward) == []
+    for got, want in zip(_run_all(forward, inputs), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def _random_input(value: onnx.ValueInfoProto) -> np.ndarray:
+    tensor = value.type.tensor_type
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+    shape = [dim.dim_value for dim in tensor.shape.dim]
+    rng = np.random.default_rng(0)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 100, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)

@@ -129,8 +129,7 @@ def export_graph(
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
-    on_cpu = device.type == "cpu"
-    done = {step.done: step.rewrite(model) for step in PASSES if on_cpu or not step.cpu_only}
+    done = {step.done: step.rewrite(model) for step in PASSES if device.type in step.devices}
     log.debug(
         "exported %s graph: %d nodes (%s), %d inputs, %d outputs",
         name,

@@ -22,6 +22,9 @@
   a product becomes one ``DequantizeLinear``.
 * :func:`sum_rows_by_product` (CPU graphs): a ``ReduceSum`` over leading axes (bias and normalisation-weight
   gradients) becomes a product with a row of ones.
+* :func:`pad_by_concat` (CUDA graphs): a constant ``Pad`` of a type the CUDA provider has no ``Pad`` kernel for
+  (integers: Hugging Face's causal-LM loss pads its labels) becomes a ``Concat`` with constant blocks, so that it
+  runs on the GPU instead of between two copies to and from the host (:func:`cuda_host_nodes` finds what is left).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -47,17 +51,17 @@ from lightning_ort.logs import get_logger
 
 @dataclass(frozen=True)
 class OnnxPass:
-    """One rewrite of an exported graph, in place: what it does in the log, and whether it pays on CPU only.
+    """One rewrite of an exported graph, in place: what it does in the log, and the devices whose graphs it pays on.
 
     Args:
         done: what one rewrite is, for the export's DEBUG log (``"reshapes removed"``).
         rewrite: the pass: takes the model, returns how many rewrites it made.
-        cpu_only: run on graphs for the CPU provider only.
+        devices: the ``torch.device`` types whose graphs it runs on (the CPU provider's, the CUDA provider's).
     """
 
     done: str
     rewrite: Callable[[onnx.ModelProto], int]
-    cpu_only: bool = False
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
 
 
 def _nchwc_convolutions(model: onnx.ModelProto) -> int:
@@ -640,6 +644,123 @@ class _Value:
         return sizes if len(sizes) == len(self.dims) else None
 
 
+CUDA_PAD_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL}
+)
+"""The element types ONNX Runtime's CUDA provider has a ``Pad`` kernel for (its OperatorKernels table)."""
+
+
+def pad_by_concat(model: onnx.ModelProto) -> int:
+    """Turn a constant-mode ``Pad`` of a static-shape tensor of a type without a CUDA ``Pad`` kernel into a
+    ``Concat`` of the tensor with constant blocks (``Expand`` of the pad value), one per padded axis, in place.
+
+    The CUDA provider places a node it has no kernel for on the CPU, between a copy to the host and a copy back
+    (ONNX Runtime's "Memcpy nodes are added to the graph"), which costs two synchronising copies per run and
+    keeps the graph from being captured as a CUDA graph. Only non-negative constant pads with a constant (or
+    absent) value are rewritten. Returns the number of ``Pad`` nodes rewritten.
+
+    Example:
+        >>> pads = numpy_helper.from_array(np.array([0, 0, 0, 1], np.int64), "pads")
+        >>> value = numpy_helper.from_array(np.array(-100, np.int64), "value")
+        >>> pad = helper.make_node("Pad", ["labels", "pads", "value"], ["padded"], "pad")
+        >>> labels = helper.make_tensor_value_info("labels", onnx.TensorProto.INT64, [2, 3])
+        >>> padded = helper.make_tensor_value_info("padded", onnx.TensorProto.INT64, [2, 4])
+        >>> model = helper.make_model(helper.make_graph([pad], "g", [labels], [padded], [pads, value]))
+        >>> pad_by_concat(model), [n.op_type for n in model.graph.node]
+        (1, ['Expand', 'Concat'])
+    """
+    graph = model.graph
+    values = _values(graph)
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    nodes: list[onnx.NodeProto] = []
+    rewritten = 0
+    for node in graph.node:
+        blocks = _pad_blocks(node, values, constants)
+        if blocks is None:
+            nodes.append(node)
+            continue
+        elem_type, dims, fill, widths = blocks
+        current = node.input[0]
+        fill_name = f"{node.name}_fill"
+        graph.initializer.append(
+            numpy_helper.from_array(np.array(fill, helper.tensor_dtype_to_np_dtype(elem_type)), fill_name)
+        )
+        for axis, (before, after) in enumerate(widths):
+            if not (before or after):
+                continue
+            parts = []
+            for side, width in (("before", before), ("after", after)):
+                if not width:
+                    continue
+                shape_name = f"{node.name}_{side}_{axis}_shape"
+                block = f"{node.name}_{side}_{axis}"
+                graph.initializer.append(
+                    numpy_helper.from_array(np.array([*dims[:axis], width, *dims[axis + 1 :]], np.int64), shape_name)
+                )
+                nodes.append(helper.make_node("Expand", [fill_name, shape_name], [block], block))
+                parts.append((side, block))
+            dims[axis] += before + after
+            ordered = [name for side, name in parts if side == "before"] + [current]
+            ordered += [name for side, name in parts if side == "after"]
+            last = all(not (b or a) for b, a in widths[axis + 1 :])
+            output = node.output[0] if last else f"{node.name}_axis_{axis}"
+            nodes.append(helper.make_node("Concat", ordered, [output], f"{node.name}_concat_{axis}", axis=axis))
+            current = output
+        rewritten += 1
+    if rewritten:
+        _set_nodes(graph, nodes)
+    return rewritten
+
+
+def cuda_host_nodes(model: onnx.ModelProto) -> list[str]:
+    """The nodes of ``model`` that ONNX Runtime's CUDA provider would run on the host: shape computations
+    (``Shape``, ``Size``), which a static-shape graph should not hold, and ``Pad`` on a type it has no kernel
+    for. Each is named ``"OpType node_name"``; an empty list is a graph that can run wholly on the GPU.
+
+    Example:
+        >>> shape = helper.make_node("Shape", ["x"], ["s"], "node_shape")
+        >>> cuda_host_nodes(helper.make_model(helper.make_graph([shape], "g", [], [])))
+        ['Shape node_shape']
+    """
+    values = _values(model.graph)
+    host = []
+    for node in model.graph.node:
+        if not _in_default_domain(node):
+            continue
+        data = values.get(node.input[0]) if node.input else None
+        if node.op_type in ("Shape", "Size") or (
+            node.op_type == "Pad" and data is not None and data.elem_type not in CUDA_PAD_TYPES
+        ):
+            host.append(f"{node.op_type} {node.name}")
+    return host
+
+
+def _pad_blocks(
+    node: onnx.NodeProto, values: dict[str, _Value], constants: dict[str, np.ndarray]
+) -> tuple[int, list[int], Any, list[tuple[int, int]]] | None:
+    """For a ``Pad`` that :func:`pad_by_concat` rewrites: its element type, its input's dims, its fill value and
+    the (before, after) widths per axis; ``None`` for any other node."""
+    if node.op_type != "Pad" or not _in_default_domain(node) or not node.input[0]:
+        return None
+    mode = next((attr.s for attr in node.attribute if attr.name == "mode"), b"constant")
+    data = values.get(node.input[0])
+    if mode != b"constant" or data is None or data.elem_type in CUDA_PAD_TYPES:
+        return None
+    dims = [size for size in data.dims if isinstance(size, int) and size > 0]
+    if len(dims) != len(data.dims) or len(node.input) < 2:
+        return None
+    pads = constants.get(node.input[1])
+    fill = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros(())
+    axes_given = len(node.input) > 3 and node.input[3]
+    axes = constants.get(node.input[3]) if axes_given else np.arange(len(dims))
+    if pads is None or fill is None or axes is None or fill.size != 1 or (pads < 0).any():
+        return None
+    widths = [(0, 0)] * len(dims)
+    for position, axis in enumerate(int(a) % len(dims) for a in axes.reshape(-1)):
+        widths[axis] = (int(pads[position]), int(pads[position + len(axes.reshape(-1))]))
+    return data.elem_type, dims, fill.reshape(()).item(), widths
+
+
 def drop_unused_initializers(model: onnx.ModelProto) -> int:
     """Drop the initializers no node reads (the rewrites above leave shape constants behind), in place.
 
@@ -722,13 +843,17 @@ def _swapping_transpose(node: onnx.NodeProto | None) -> onnx.NodeProto | None:
     return node if perm == [*range(rank - 2), rank - 1, rank - 2] else None
 
 
+_CPU = frozenset({"cpu"})
+_CUDA = frozenset({"cuda"})
+
 PASSES = (
-    OnnxPass("bfloat16 ops computed in float32", compute_bfloat16_in_float, cpu_only=True),
-    OnnxPass("biases split from Gemm", split_gemm_bias, cpu_only=True),
+    OnnxPass("bfloat16 ops computed in float32", compute_bfloat16_in_float, _CPU),
+    OnnxPass("biases split from Gemm", split_gemm_bias, _CPU),
     OnnxPass("transposed matmul operands fused", fuse_transposed_operands),
-    OnnxPass("convolutions on NCHWc kernels", _nchwc_convolutions, cpu_only=True),
-    OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, cpu_only=True),
-    OnnxPass("row sums as products", sum_rows_by_product, cpu_only=True),
+    OnnxPass("convolutions on NCHWc kernels", _nchwc_convolutions, _CPU),
+    OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, _CPU),
+    OnnxPass("row sums as products", sum_rows_by_product, _CPU),
+    OnnxPass("integer pads as concatenations", pad_by_concat, _CUDA),
     OnnxPass("reshapes removed", collapse_reshapes),
     OnnxPass("unused initializers dropped", drop_unused_initializers),
 )
