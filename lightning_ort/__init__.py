@@ -32,6 +32,7 @@ from lightning_ort.engine.runtime.profiling import KernelProfile, OpTime, read_p
 from lightning_ort.errors import (
     BlockError,
     CaptureError,
+    CudaGraphWarning,
     DiskCacheWarning,
     ExportError,
     FallbackWarning,
@@ -137,6 +138,7 @@ __all__ = [
     "CaptureError",
     "DebugOptions",
     "DeployedModel",
+    "CudaGraphWarning",
     "DiskCacheWarning",
     "ExportError",
     "ExportSpec",

@@ -74,6 +74,11 @@ class RecompileLimitWarning(FallbackWarning):
     """TorchDynamo stopped recompiling a function (a recompile limit): from then on it runs in PyTorch."""
 
 
+class CudaGraphWarning(UserWarning):
+    """A graph asked to be replayed as a CUDA graph (``SessionSettings(cuda_graph=True)``) runs uncaptured; the
+    message says why."""
+
+
 class DiskCacheWarning(UserWarning):
     """The on-disk graph cache could not be used for one graph; training goes on without it."""
 

@@ -249,6 +249,13 @@ class SessionSettings:
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator, one pool with
             PyTorch), ``"shared_arena"`` (one ONNX Runtime arena for all sessions) or ``"session_arena"`` (ONNX
             Runtime's default, an arena per session). See :mod:`lightning_ort.engine.runtime.cuda_memory`.
+        cuda_graph: on CUDA, replay each graph with static shapes as a CUDA graph (ONNX Runtime's
+            ``enable_cuda_graph``): one launch per run instead of one per kernel, for models whose steps are many
+            small kernels. Inputs are copied into the captured graph's own buffers and its outputs copied out;
+            parameters stay bound as they are. A captured graph's session allocates from an arena of its own,
+            whatever ``cuda_memory`` says. A graph that cannot be captured (symbolic sizes, control flow, a node
+            the CUDA provider runs on the host) runs uncaptured, with a :class:`~lightning_ort.CudaGraphWarning`
+            saying why. See :mod:`lightning_ort.engine.runtime.cuda_graph`.
 
     Example:
         >>> SessionSettings(optimization_level="extended").graph_optimization_level.name
@@ -261,6 +268,7 @@ class SessionSettings:
     allow_spinning: bool = True
     release_torch_threads: bool = True
     cuda_memory: CudaMemory = "torch"
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         require_type(self, "optimization_level", str, f"one of {', '.join(map(repr, _OPTIMIZATION_LEVELS))}")
@@ -268,6 +276,7 @@ class SessionSettings:
         require_type(self, "allow_spinning", bool, "True or False")
         require_type(self, "release_torch_threads", bool, "True or False")
         require_type(self, "cuda_memory", str, f"one of {', '.join(map(repr, CUDA_MEMORY))}")
+        require_type(self, "cuda_graph", bool, "True or False")
         if self.providers is not None and (
             isinstance(self.providers, str) or not all(isinstance(p, str) for p in self.providers)
         ):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_ort.engine.runtime.session as session_module
-from lightning_ort import ORTModule, SessionSettings
+from lightning_ort import CudaGraphWarning, ORTModule, SessionSettings
 from lightning_ort.engine.runtime import cuda_memory
 from lightning_ort.options import CUDA_MEMORY, CudaMemory
 from tests.helpers import assert_grads_close, assert_outputs_close, clone_inputs, weighted_loss
@@ -177,3 +177,70 @@ def test_attention_in_pytorch_trains_as_eager_on_cuda() -> None:
     actual.backward()
     assert_grads_close(wrapped, eager)
     assert wrapped.statistics.fallback_ops == 0 and wrapped.providers[0] == "CUDAExecutionProvider"
+
+
+def _recorded_sessions(monkeypatch: pytest.MonkeyPatch) -> list[session_module.GraphSession]:
+    """Every GraphSession created from now on."""
+    sessions: list[session_module.GraphSession] = []
+    original = session_module.GraphSession.__init__
+
+    def recording(self: session_module.GraphSession, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        sessions.append(self)
+
+    monkeypatch.setattr(session_module.GraphSession, "__init__", recording)
+    return sessions
+
+
+def _train_alike(eager: torch.nn.Module, wrapped: torch.nn.Module, step: Any, steps: int = 5) -> None:
+    """AdamW steps of both models on the same batch: their losses, then their parameters, agree."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, wrapped)]
+    for _ in range(steps):
+        losses = []
+        for model, optimizer in zip((eager, wrapped), optimizers):
+            loss = step(model)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    for (name, expected), actual in zip(eager.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_cuda_graphs_replay_training_steps_with_eagers_parity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captured on the third run and replayed after: losses and parameters follow eager's over AdamW steps."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sessions = _recorded_sessions(monkeypatch)
+    torch.manual_seed(0)
+    eager = CausalLM().cuda()
+    wrapped = ORTModule(copy.deepcopy(eager), session_settings=SessionSettings(cuda_graph=True))
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    _train_alike(eager, wrapped, lambda model: model(ids).float().logsumexp(-1).mean())
+    assert sessions and all(session.captured for session in sessions)
+
+
+def test_cuda_graphs_replay_each_block_of_hugging_face_gpt2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's graphs hold nothing for the host once its labels' Pad is a Concat, so every graph is captured;
+    the block graph's forward replays one graph per GPT2Block instance (its own parameters), its backward one
+    graph into which every call copies its inputs."""
+    transformers = pytest.importorskip("transformers")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sessions = _recorded_sessions(monkeypatch)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=64, n_head=4, vocab_size=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    eager = transformers.GPT2LMHeadModel(config).cuda()
+    settings = SessionSettings(cuda_graph=True)
+    wrapped = ORTModule(copy.deepcopy(eager), session_settings=settings, blocks=["GPT2Block"])
+    ids = torch.randint(0, 128, (2, 32), device="cuda")
+    _train_alike(eager, wrapped, lambda model: model(input_ids=ids, labels=ids).loss)
+    assert sessions and all(session.captured for session in sessions)
+
+
+def test_graphs_with_symbolic_sizes_run_uncaptured_and_say_why() -> None:
+    wrapped = ORTModule(CausalLM().cuda(), session_settings=SessionSettings(cuda_graph=True), dynamic=True)
+    with pytest.warns(CudaGraphWarning, match="symbolic"):
+        wrapped(torch.randint(0, 64, (2, 16), device="cuda")).sum().backward()
+    assert wrapped.statistics.forward_runs == 1

@@ -60,7 +60,7 @@ from lightning_ort.bench.runtimes import (
     time_in_blocks,
 )
 from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
-from lightning_ort.bench.table import TABLE_ROWS, TINY_GPT2, TableReport, run_table, table_row
+from lightning_ort.bench.table import TABLE_ROWS, TABLE_RUNTIMES, TINY_GPT2, TableReport, run_table, table_row
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
@@ -449,9 +449,11 @@ def main(argv: Sequence[str] | None = None) -> Report:
         memory = run_memory_study(workload, routes, device, args.steps, args.precision, args.attention)
         machine = _machine(args, device)
         return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
-    runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or RUNTIMES if r != "eager")]
     if args.study == "table":
+        default = TABLE_RUNTIMES if device.type == "cuda" else RUNTIMES
+        runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or default if r != "eager")]
         return _emit(run_table_study(args, runtimes, device), args)
+    runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or RUNTIMES if r != "eager")]
     workloads = build_workloads(args.workload, args.module, device)
     machine = _machine(args, device)
     with inductor_cache(cold=not args.warm_inductor_cache):
@@ -531,7 +533,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
         "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
-        "attention=onnx|torch (ort/attention=torch/cuda_memory=shared_arena)",
+        "attention=onnx|torch, cuda_graph=on|off (ort/attention=torch/cuda_memory=shared_arena)",
     )
     timed.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
     timed.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")

@@ -30,7 +30,7 @@ from lightning_ort.options import (
 
 RUNTIMES = ("eager", "inductor", "ort")
 """The runtimes a run compares by default; eager always runs first, as the reference of the ratios."""
-ORT_VARIANTS = {"cuda_memory": CUDA_MEMORY, "attention": ATTENTION_PATHS}
+ORT_VARIANTS = {"cuda_memory": CUDA_MEMORY, "attention": ATTENTION_PATHS, "cuda_graph": ("on", "off")}
 """The ORTModule options a runtime name may set: ``ort/cuda_memory=shared_arena/attention=torch``."""
 
 
@@ -90,7 +90,7 @@ class Runner:
             variant = ort_variant(name)
             memory = cast(CudaMemory, variant.get("cuda_memory", "torch"))
             attention = cast(AttentionPath, variant.get("attention", "onnx"))
-            settings = SessionSettings(cuda_memory=memory)
+            settings = SessionSettings(cuda_memory=memory, cuda_graph=variant.get("cuda_graph") == "on")
             self.model = ORTModule(model, debug_options, session_settings=settings, attention=attention)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.autocast_dtype = PRECISIONS[precision]

@@ -1,14 +1,14 @@
 """The GPU table in one command: ``python -m lightning_ort.bench table --device cuda``.
 
-One process runs the rows a GPU comparison needs, each with eager PyTorch, inductor and ORTModule: the
-reference workloads (``transformer``, ``mlp``, ``cnn``) in fp32, then Hugging Face GPT-2 (12 layers, width 768,
-8 x 512 tokens) in fp32 and under bf16 autocast. For each runtime it reports the median step against eager's,
-the first step, and on CUDA the peak device memory against eager's: PyTorch's peak allocated memory while the
-runtime is built and warmed up, plus the growth of the device memory held outside PyTorch's allocator, measured
-in this process, one runtime after another (the ``run`` study's fresh process per runtime would export and
-compile every model twice more). Its timed steps then alternate between the runtimes in blocks, as ``run``'s
-do. Last, ``Trainer(strategy="ort")`` against a plain ORTModule loop on the first row's workload. The report
-ends with the time the whole table took.
+One process runs the rows a GPU comparison needs, each with eager PyTorch, inductor and ORTModule (on CUDA
+also ORTModule replaying CUDA graphs, ``ort/cuda_graph=on``): the reference workloads (``transformer``,
+``mlp``, ``cnn``) in fp32, then Hugging Face GPT-2 (12 layers, width 768, 8 x 512 tokens) in fp32 and under bf16
+autocast. For each runtime it reports the median step against eager's, the first step, and on CUDA the peak
+device memory against eager's: PyTorch's peak allocated memory while the runtime is built and warmed up, plus
+the growth of the device memory held outside PyTorch's allocator, measured in this process, one runtime after
+another (the ``run`` study's fresh process per runtime would export and compile every model twice more). Its
+timed steps then alternate between the runtimes in blocks, as ``run``'s do. Last, ``Trainer(strategy="ort")``
+against a plain ORTModule loop on the first row's workload. The report ends with the time the whole table took.
 
 ``--tiny`` shrinks GPT-2 (2 layers, width 64, 2 x 32 tokens) so that the command can be tried on a CPU before
 GPU time is spent on it; ``--row WORKLOAD/PRECISION`` and ``--runtime`` choose what runs.
@@ -31,6 +31,8 @@ from lightning_ort.bench.workloads import WORKLOADS, Workload, gpt2_workload, sy
 
 TABLE_ROWS = ("transformer/fp32", "mlp/fp32", "cnn/fp32", "gpt2/fp32", "gpt2/bf16")
 """The rows the table runs by default, as ``WORKLOAD/PRECISION``."""
+TABLE_RUNTIMES = ("eager", "inductor", "ort", "ort/cuda_graph=on")
+"""The runtimes of each row on CUDA by default (on CPU, without ``ort/cuda_graph=on``, a CUDA setting)."""
 
 TINY_GPT2: Callable[[torch.device], Workload] = functools.partial(gpt2_workload, layers=2, width=64, batch=2, length=32)
 """``--tiny``'s GPT-2: the default configuration's structure at a size a CPU trains in a second."""

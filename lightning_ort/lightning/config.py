@@ -71,6 +71,8 @@ class ORTConfig:
             :class:`~lightning_ort.ORTModule`).
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator), ``"shared_arena"``
             or ``"session_arena"`` (see :class:`~lightning_ort.SessionSettings`).
+        cuda_graph: on CUDA, replay each static-shape graph as a CUDA graph (see
+            :class:`~lightning_ort.SessionSettings`).
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch with a warning; ``"raise"`` fails instead.
         cache_dir: folder of exported graphs shared by runs and ranks: a restart with the same model and shapes
             loads them instead of exporting again (default: no on-disk cache).
@@ -113,6 +115,7 @@ class ORTConfig:
     allow_spinning: bool = True
     release_torch_threads: bool = True
     cuda_memory: CudaMemory = "torch"
+    cuda_graph: bool = False
     attention: AttentionPath = "onnx"
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None
@@ -152,6 +155,7 @@ class ORTConfig:
                 allow_spinning=self.allow_spinning,
                 release_torch_threads=self.release_torch_threads,
                 cuda_memory=self.cuda_memory,
+                cuda_graph=self.cuda_graph,
             ),
             fallback=self.fallback,
             cache_dir=self.cache_dir,

@@ -34,9 +34,10 @@ from lightning_ort.engine.ort_internals import (
     failing_nodes,
     pybind_session,
 )
+from lightning_ort.engine.runtime.cuda_graph import CapturedGraphs, capture_provider_options, capture_refusal
 from lightning_ort.engine.runtime.cuda_memory import cuda_provider_options, cuda_session_config
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
-from lightning_ort.errors import SessionError
+from lightning_ort.errors import CudaGraphWarning, SessionError, first_line, warn
 from lightning_ort.logs import get_logger
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
 
@@ -64,14 +65,18 @@ _ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
 }
 
 
-def providers_for(device: torch.device, settings: SessionSettings) -> list[str | tuple[str, dict[str, str]]]:
-    """Execution providers for a graph whose tensors live on ``device``."""
+def providers_for(
+    device: torch.device, settings: SessionSettings, capture: torch.cuda.Stream | None = None
+) -> list[str | tuple[str, dict[str, str]]]:
+    """Execution providers for a graph whose tensors live on ``device``; on CUDA, ``capture`` is the stream of a
+    session whose graph is captured as a CUDA graph (see :mod:`~lightning_ort.engine.runtime.cuda_graph`)."""
     if device.type == "cuda":
+        stream = capture if capture is not None else torch.cuda.current_stream(device)
         options = {
             "device_id": str(_device_index(device)),
-            "user_compute_stream": str(torch.cuda.current_stream(device).cuda_stream),
+            "user_compute_stream": str(stream.cuda_stream),
             "use_tf32": "1" if torch_allows_tf32_matmul() else "0",
-            **cuda_provider_options(settings.cuda_memory),
+            **(capture_provider_options() if capture is not None else cuda_provider_options(settings.cuda_memory)),
         }
         names = list(settings.providers) if settings.providers else ["CUDAExecutionProvider", "CPUExecutionProvider"]
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -156,9 +161,6 @@ class GraphSession:
             # other graphs' blocks; without it the shared arena reuses freed space across the forward and
             # backward graphs.
             options.enable_mem_pattern = False
-        elif device.type == "cuda":
-            for key, value in cuda_session_config(settings.cuda_memory, _device_index(device)).items():
-                options.add_session_config_entry(key, value)
         options.log_severity_level = LogLevel(debug.log_level).ort_severity
         if debug.save_onnx:
             save_model(graph.model, debug.onnx_file(graph.name))
@@ -167,14 +169,25 @@ class GraphSession:
             options.enable_profiling = True
             options.profile_file_prefix = str(debug.profile_prefix(graph.name))
         self._profiling = debug.profile
-        providers = providers_for(device, settings)
+        captures = _captures(graph, device, settings)
+        capture = torch.cuda.Stream(device) if captures and device.type == "cuda" else None
+        if captures:
+            try:
+                self._session = self._create(graph, options, providers_for(device, settings, capture))
+            except Exception as err:
+                warn(
+                    f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: ONNX Runtime refused "
+                    f"it ({first_line(err)}).",
+                    CudaGraphWarning,
+                )
+                captures, capture = False, None
+        providers = providers_for(device, settings, capture)
         try:
-            self._session = ort.InferenceSession(
-                graph.model.SerializeToString(),
-                sess_options=options,
-                providers=providers,
-                disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
-            )
+            if not captures:
+                if device.type == "cuda":
+                    for key, value in cuda_session_config(settings.cuda_memory, _device_index(device)).items():
+                        options.add_session_config_entry(key, value)
+                self._session = self._create(graph, options, providers)
         except Exception as err:
             raise SessionError(
                 f"ONNX Runtime could not load the {graph.name} graph with providers {_names(providers)}: {err}\n"
@@ -189,8 +202,36 @@ class GraphSession:
         self._stream = _session_stream(providers)
         self._unsynchronized = ort.RunOptions()
         self._unsynchronized.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        self._synchronized: ort.RunOptions | None = None
+        self._captured = None
+        if captures:
+            self._captured = CapturedGraphs(
+                self._run_session, self._input_names, self._output_names, graph.outputs, device, capture, _bind
+            )
+            # A run beside the captured graphs (more parameter sets than they hold) must not count towards the
+            # capture of graph 0, the default id.
+            self._synchronized = ort.RunOptions()
+            for options_ in (self._unsynchronized, self._synchronized):
+                options_.add_run_config_entry("gpu_graph_id", "-1")
         self.runs = 0
         self._last_run_s = float("inf")
+
+    @staticmethod
+    def _create(
+        graph: ExportedGraph, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, str]]]
+    ) -> ort.InferenceSession:
+        return ort.InferenceSession(
+            graph.model.SerializeToString(),
+            sess_options=options,
+            providers=providers,
+            disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
+        )
+
+    @property
+    def captured(self) -> bool:
+        """Whether the graph is replayed as a CUDA graph (``SessionSettings(cuda_graph=True)`` on CUDA, and
+        nothing in it kept it out)."""
+        return self._captured is not None
 
     @property
     def name(self) -> str:
@@ -222,6 +263,10 @@ class GraphSession:
         args.clear()
         env = {symbol: inputs[index].shape[dim] for symbol, (index, dim) in graph.symbols.items()}
         inputs.extend(noise.draw(self._device, env) for noise in graph.noise)
+        if self._captured is not None:
+            replayed = self._replay(inputs)
+            if replayed is not None:
+                return graph.layout.place(replayed, inputs, env)
         binding = SessionIOBinding(self._run_session)
         for name, tensor in zip(self._input_names, inputs):
             _bind(binding.bind_input, name, tensor)
@@ -244,6 +289,22 @@ class GraphSession:
             outputs = _from_onnx_runtime(binding.get_outputs(), graph.outputs)
         return graph.layout.place(outputs, inputs, env)
 
+    def _replay(self, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Run the captured graph for ``inputs`` (see :class:`CapturedGraphs`); ``None`` when it holds no room
+        for their parameters."""
+        assert self._captured is not None
+        try:
+            outputs = self._captured.run(inputs)
+        except Exception as err:
+            raise SessionError(
+                f"ONNX Runtime failed while running the captured CUDA graph of the {self.name} graph: {err}\n"
+                "Run without SessionSettings(cuda_graph=True) to train on; please report it with "
+                "DebugOptions(save_onnx=True) output attached."
+            ) from err
+        if outputs is not None:
+            self.runs += 1
+        return outputs
+
     def _run(self, binding: SessionIOBinding) -> None:
         self._run_session.run_with_iobinding(binding, self._run_options())
 
@@ -262,7 +323,7 @@ class GraphSession:
         if current.cuda_stream == self._stream.cuda_stream:
             return self._unsynchronized
         self._stream.wait_stream(current)
-        return None
+        return self._synchronized
 
     def _bind_outputs(self, binding: SessionIOBinding, env: dict[sympy.Symbol, int]) -> list[torch.Tensor] | None:
         """Bind the outputs: to new PyTorch tensors (returned) on CUDA; to ONNX Runtime's arena on CPU (``None``:
@@ -285,6 +346,18 @@ class GraphSession:
         for name, tensor in zip(self._output_names, outputs):
             _bind(binding.bind_output, name, tensor)
         return outputs
+
+
+def _captures(graph: ExportedGraph, device: torch.device, settings: SessionSettings) -> bool:
+    """Whether ``graph``'s session replays it as CUDA graphs: asked for, on CUDA, and not refused (said once,
+    with the reason: see :func:`~lightning_ort.engine.runtime.cuda_graph.capture_refusal`)."""
+    if device.type != "cuda" or not settings.cuda_graph:
+        return False
+    refusal = capture_refusal(graph)
+    if refusal is not None:
+        warn(f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: {refusal}.", CudaGraphWarning)
+        return False
+    return True
 
 
 def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.cuda.ExternalStream | None:
