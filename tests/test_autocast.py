@@ -1,8 +1,10 @@
-"""Mixed precision on CPU: Hugging Face models under ``torch.autocast`` train in ONNX Runtime with eager's accuracy.
+"""Mixed precision: Hugging Face models under ``torch.autocast`` train in ONNX Runtime with eager's accuracy, on
+CPU and (where one is present) on CUDA.
 
 ONNX Runtime's CPU provider has no ``bfloat16`` kernels beyond casts: the exported graphs compute those ops in
-float32 (rounding where autocast casts). For float16 it inserts its own casts. Either way no op may be left to
-PyTorch, and the gradients must be as close to float64 as eager autocast's.
+float32 (rounding where autocast casts). For float16 it inserts its own casts. The CUDA provider has bfloat16 and
+float16 kernels for every op these models' graphs hold. Either way no op may be left to PyTorch, and the gradients
+must be as close to float64 as eager autocast's.
 """
 
 from __future__ import annotations
@@ -58,20 +60,25 @@ LOSS_RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
 """``torch.testing.assert_close``'s relative tolerance for the dtype."""
 
 
-def _padded_batch(model_name: str) -> dict[str, torch.Tensor]:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _padded_batch(model_name: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, VOCAB, (2, 16), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 10:] = 0
     labels = torch.tensor([0, 2]) if model_name == "bert" else input_ids.masked_fill(attention_mask == 0, -100)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[Any, Any]:
     """One training step's loss and flattened gradients (float64); float16 goes through a ``GradScaler``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=dtype is torch.float16)
-    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+    device = batch["input_ids"].device.type
+    scaler = torch.amp.GradScaler(device, enabled=dtype is torch.float16)
+    with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = model(**batch).loss
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -79,12 +86,16 @@ def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: torch.d
     return loss.detach().double(), grads
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-def test_autocast_trains_in_onnx_runtime_as_accurately_as_eager(model_name: str, dtype: torch.dtype) -> None:
+def test_autocast_trains_in_onnx_runtime_as_accurately_as_eager(
+    model_name: str, dtype: torch.dtype, device: str
+) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    model = MODELS[model_name]()
-    batch = _padded_batch(model_name)
+    model = MODELS[model_name]().to(device)
+    batch = _padded_batch(model_name, device)
     _, grads64 = _step(copy.deepcopy(model).double(), batch, None)
     eager_loss, eager_grads = _step(copy.deepcopy(model), batch, dtype)
     ort_model = ORTModule(copy.deepcopy(model))

@@ -102,6 +102,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "allow_spinning": False,
         "release_torch_threads": False,
         "cuda_memory": "shared_arena",
+        "cuda_graph": True,
         "attention": "torch",
         "fallback": "raise",
         "cache_dir": str(tmp_path / "cache"),
@@ -120,6 +121,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
     assert not config.session_settings.allow_spinning
     assert not config.session_settings.release_torch_threads
     assert config.session_settings.cuda_memory == "shared_arena" and config.module_options.attention == "torch"
+    assert config.session_settings.cuda_graph
     assert config.debug_options.profile
     assert config.blocks == ("TransformerEncoderLayer",)
     assert config.export_paths(["net"]) == {"net": tmp_path / "deploy" / "net.onnx"}
