@@ -24,6 +24,7 @@ from lightning_ort.engine.capture.backend import (
     ORTBackend,
     fast_path_modules,
     fast_path_off,
+    keep_guards,
     tracing_settings,
 )
 from lightning_ort.engine.capture.blocks import (
@@ -36,7 +37,12 @@ from lightning_ort.engine.capture.blocks import (
 from lightning_ort.engine.capture.build import BuildOptions
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.runtime.profiling import KernelProfile, read_profiles
-from lightning_ort.engine.torch_internals import UncapturedHigherOrderOpError, maybe_mark_dynamic, uncaptured_reason
+from lightning_ort.engine.torch_internals import (
+    GUARDS_FILTER_SAFELY,
+    UncapturedHigherOrderOpError,
+    maybe_mark_dynamic,
+    uncaptured_reason,
+)
 from lightning_ort.errors import BlockError, FallbackWarning, ORTModuleError, first_line, user_frame, warn
 from lightning_ort.logs import get_logger, model_log_level
 from lightning_ort.options import AttentionPath, BlockSpec, DebugOptions, Fallback, ModuleOptions, SessionSettings
@@ -455,7 +461,11 @@ class ORTModule(nn.Module):
         entry = types.FunctionType(code.replace(co_name=name), _call_module.__globals__, name)
         self.__dict__["_backend"] = backend
         self.__dict__["_compiled"] = torch.compile(
-            entry, backend=backend, dynamic=self._dynamic, fullgraph=self.fallback == "raise"
+            entry,
+            backend=backend,
+            dynamic=self._dynamic,
+            fullgraph=self.fallback == "raise",
+            options={"guard_filter_fn": keep_guards} if GUARDS_FILTER_SAFELY else None,
         )
 
     @override

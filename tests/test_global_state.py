@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_ort import DebugOptions, ORTModule, export_for_deployment
 from lightning_ort.engine.capture.backend import fast_path_modules, fast_path_off, ort
+from lightning_ort.engine.torch_internals import GUARDS_FILTER_SAFELY
 from tests.helpers import assert_grads_close, weighted_loss
 from tests.zoo import MLP
 from tests.zoo.architectures import LSTMTagger
@@ -263,25 +264,59 @@ def test_importing_the_package_touches_no_other_library_and_registers_the_strate
     assert result.stdout.strip().splitlines()[-1] == "[] ['_RegisterWithLightning'] [] True", result.stdout
 
 
-def test_training_calls_leave_the_attention_fast_path_switch_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+needs_guard_filters = pytest.mark.skipif(
+    not GUARDS_FILTER_SAFELY, reason="this torch cannot drop the switch's guard: the switch is off for whole calls"
+)
+
+
+@needs_guard_filters
+def test_the_fast_path_switch_is_off_only_while_an_eval_call_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     switched: list[bool] = []
     switch = torch.backends.mha.set_fastpath_enabled
     monkeypatch.setattr(torch.backends.mha, "set_fastpath_enabled", lambda on: (switched.append(on), switch(on)))
+    torch.manual_seed(0)
     encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
-    wrapped = ORTModule(encoder)
+    wrapped = ORTModule(copy.deepcopy(encoder))
     wrapped(torch.randn(2, 5, 16)).sum().backward()
     assert switched == [], "a training call with autograd cannot take the fast path"
+    x = torch.randn(2, 5, 16)
     with torch.no_grad():
-        wrapped.eval()(torch.randn(2, 5, 16))
-    assert switched == [False, True], "off for an eval call, then restored"
+        first = wrapped.eval()(x)
+        assert switched == [False, True], "off while the eval graphs compile, then restored"
+        graphs = wrapped.statistics.cached_graphs
+        second = wrapped(x)
+        assert switched == [False, True], "a call of compiled graphs leaves the switch alone"
+        switch(False)  # the user's own setting, between calls: the compiled graphs still serve
+        third = wrapped(x)
+        switch(True)
+        expected = encoder.eval()(x)  # eager, with the fast path on: the same attention, fused
+    assert wrapped.statistics.cached_graphs == graphs, "no recompilation for the switch"
+    assert wrapped.statistics.fallback_ops == 0, "the graphs hold no fast-path op"
+    for output in (first, second, third):
+        torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_concurrent_calls_share_one_fast_path_switch_restored_by_the_last() -> None:
+@needs_guard_filters
+def test_the_switch_is_held_off_from_the_start_to_the_end_of_compilations_during_such_calls() -> None:
+    """TorchDynamo's compilation events, listened to only during calls that could take the fast path, hold the
+    switch off while anything compiles; the last call to return stops listening and restores the switch."""
+    events = torch._dynamo.callback.callback_handler
+    listening = (len(events.start_callbacks), len(events.end_callbacks))
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return x + int(torch.backends.mha.get_fastpath_enabled())  # the switch as TorchDynamo traced it
+
+    compiled = torch.compile(probe, backend="eager")
     encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1).eval()
     first, second = fast_path_off(fast_path_modules(encoder)), fast_path_off(fast_path_modules(encoder))
-    first.__enter__()
-    second.__enter__()
-    first.__exit__(None, None, None)
-    assert torch.backends.mha.get_fastpath_enabled() is False, "the other call still runs"
-    second.__exit__(None, None, None)
+    with torch.no_grad():
+        first.__enter__()
+        second.__enter__()
+        assert torch.backends.mha.get_fastpath_enabled() is True, "nothing compiles: the switch is left alone"
+        assert compiled(torch.zeros(1)).item() == 0, "off while TorchDynamo traced"
+        assert torch.backends.mha.get_fastpath_enabled() is True, "restored when the compilation ended"
+        first.__exit__(None, None, None)
+        assert (len(events.start_callbacks), len(events.end_callbacks)) != listening, "the other call still runs"
+        second.__exit__(None, None, None)
+    assert (len(events.start_callbacks), len(events.end_callbacks)) == listening
     assert torch.backends.mha.get_fastpath_enabled() is True

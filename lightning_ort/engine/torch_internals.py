@@ -307,3 +307,36 @@ def in_fsdp_hooks(stack: Sequence[traceback.FrameSummary]) -> bool:
     """Whether a graph break with user stack ``stack`` happened in FSDP's own hooks (``fully_shard``'s pre- and
     post-forward, which TorchDynamo is told to skip)."""
     return bool(stack) and stack[-1].filename.startswith(FSDP_FOLDER)
+
+
+# TorchDynamo's compilation events and guards, for torch.backends.mha's attention fast-path switch: it is off only
+# while TorchDynamo compiles (and so traces) a call of ours, and the guard TorchDynamo puts on it is dropped, so
+# that calls of compiled graphs leave the switch alone.
+(COMPILATION_EVENTS,) = require("torch._dynamo.callback", "callback_handler")
+FAST_PATH_FLAG = "_is_fastpath_enabled"
+"""The module global of ``torch.backends.mha`` that ``set_fastpath_enabled`` sets and TorchDynamo guards on."""
+_PENDING_COMPILATIONS = "_CompilationCallbackHandler__pending_callbacks_counter"
+
+
+GUARDS_FILTER_SAFELY: bool = TorchVersion(torch.__version__) >= (2, 13)  # type: ignore[operator]
+"""Whether ``torch.compile``'s ``guard_filter_fn`` works on every model. Torch 2.11 builds the guards twice to
+filter them and fails on some the second time (Hugging Face GPT-2 with block graphs: "Guarded object must be
+identical"); there the switch is held off for the whole of each call that could take the fast path."""
+
+
+def compilations_in_flight() -> bool:
+    """Whether TorchDynamo is compiling anything in this process now (``True`` when this torch does not say, so
+    that a caller falls back to what is safe without the answer)."""
+    return getattr(COMPILATION_EVENTS, _PENDING_COMPILATIONS, 1) > 0
+
+
+def is_fast_path_guard(entry: Any) -> bool:
+    """Whether a TorchDynamo guard (an entry given to ``torch.compile``'s ``guard_filter_fn``) checks
+    ``torch.backends.mha``'s fast-path switch.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> is_fast_path_guard(SimpleNamespace(name="G['__import_torch_dot_backends_dot_mha']._is_fastpath_enabled"))
+        True
+    """
+    return str(getattr(entry, "name", "")).endswith("." + FAST_PATH_FLAG)

@@ -28,19 +28,23 @@ from lightning_ort.engine.capture.blocks import BlockGraphs
 from lightning_ort.engine.capture.build import PENDING_WARNINGS, BuildCounts, BuildLog, BuildOptions, GraphRunner
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.torch_internals import (
+    COMPILATION_EVENTS,
     CONFIG_LOGGING_ACCEPTS_FUNCTIONS,
     GRAPH_BREAK_LOGGERS,
+    GUARDS_FILTER_SAFELY,
     METRICS_LOGGER,
     RECOMPILE_LOGGER,
     TRACES_RECURRENT_LAYERS,
     BackendCompilerFailed,
     Unsupported,
     UserError,
+    compilations_in_flight,
     counters,
     dynamo_config,
     graph_break_reasons,
     in_fsdp_hooks,
     is_config_logging_failure,
+    is_fast_path_guard,
     is_graph_break_log,
     recompile_limit_hit,
     recompile_reason,
@@ -337,31 +341,74 @@ _FAST_PATH_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Tran
 
 
 class _FastPathSwitch:
-    """``torch.backends.mha``'s fast-path switch, off while any thread is inside :meth:`off`; the last to leave
-    restores the value the first found."""
+    """``torch.backends.mha``'s fast-path switch, held off while TorchDynamo compiles a call of ours that could
+    take the fast path.
+
+    TorchDynamo reads the switch while it traces: a graph traced with it on holds the fast path's fused op, which
+    has no ONNX translation, or breaks at its nested tensors. TorchDynamo reports when compilations start in the
+    process (the first of concurrent ones) and when they end (the last). While one of our calls that could take
+    the fast path runs, the switch is held off from the start of compilations to their end; calls that run
+    compiled graphs leave it alone, since the guard TorchDynamo puts on it is dropped (:func:`keep_guards`). A
+    call that begins while a compilation is already under way, whose start was reported before the call, holds
+    the switch off for its whole length instead, as every such call does where the guard cannot be dropped
+    (:data:`~lightning_ort.engine.torch_internals.GUARDS_FILTER_SAFELY`). The compilation events are listened to
+    only while such a call runs, and the last one to return restores the switch.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._inside = 0
+        self._calls = 0
+        self._held = False
         self._found = True
 
     @contextlib.contextmanager
-    def off(self) -> Iterator[None]:
+    def calling(self) -> Iterator[None]:
+        """Around one call that could take the fast path."""
         with self._lock:
-            if self._inside == 0:
-                self._found = torch.backends.mha.get_fastpath_enabled()
-                torch.backends.mha.set_fastpath_enabled(False)
-            self._inside += 1
+            self._calls += 1
+            if self._calls == 1:
+                COMPILATION_EVENTS.register_start_callback(self._compiling)
+                COMPILATION_EVENTS.register_end_callback(self._compiled)
+            if compilations_in_flight() or not GUARDS_FILTER_SAFELY:
+                self._hold()
         try:
             yield
         finally:
             with self._lock:
-                self._inside -= 1
-                if self._inside == 0:
-                    torch.backends.mha.set_fastpath_enabled(self._found)
+                self._calls -= 1
+                if self._calls == 0:
+                    COMPILATION_EVENTS.remove_start_callback(self._compiling)
+                    COMPILATION_EVENTS.remove_end_callback(self._compiled)
+                    self._release()
+
+    def _compiling(self, _: Any) -> None:
+        with self._lock:
+            if self._calls:
+                self._hold()
+
+    def _compiled(self, _: Any) -> None:
+        with self._lock:
+            self._release()
+
+    def _hold(self) -> None:
+        if not self._held:
+            self._found = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            self._held = True
+
+    def _release(self) -> None:
+        if self._held:
+            torch.backends.mha.set_fastpath_enabled(self._found)
+            self._held = False
 
 
 _FAST_PATH = _FastPathSwitch()
+
+
+def keep_guards(entries: Sequence[Any]) -> list[bool]:
+    """``torch.compile``'s ``guard_filter_fn`` for ORTModule: every guard but the one on the attention fast-path
+    switch, which :func:`fast_path_off` holds off while TorchDynamo traces, whatever it is when graphs run."""
+    return [not is_fast_path_guard(entry) for entry in entries]
 
 
 def fast_path_modules(module: nn.Module) -> tuple[nn.Module, ...]:
@@ -377,26 +424,24 @@ def fast_path_modules(module: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def fast_path_off(modules: Sequence[nn.Module]) -> contextlib.AbstractContextManager[None]:
-    """Turn PyTorch's attention inference fast path off for a call that could take it in one of ``modules``.
+    """Keep PyTorch's attention inference fast path out of the graphs a call compiles, for a call that could take
+    it in one of ``modules``.
 
     ``nn.MultiheadAttention`` and ``nn.TransformerEncoder(Layer)`` in eval mode or without autograd run one
     fused op, over nested tensors for padded batches, that neither TorchDynamo nor ONNX translate. The switch
-    (``torch.backends.mha.set_fastpath_enabled``) is process-wide and TorchDynamo guards on it, so it is off for
-    the whole call, but only for a call that could take the fast path (a training call with autograd cannot),
-    and it is restored when the last such call, in any thread, returns.
+    (``torch.backends.mha.set_fastpath_enabled``) is process-wide, so it is off only while TorchDynamo compiles
+    during such a call (see :class:`_FastPathSwitch`): a call that runs graphs compiled before, and a training
+    call with autograd (which cannot take the fast path), leave it alone.
 
     Example:
         >>> encoder = fast_path_modules(nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 1))
-        >>> with fast_path_off(encoder):
-        ...     torch.backends.mha.get_fastpath_enabled()
-        True
         >>> with torch.no_grad(), fast_path_off(encoder):
-        ...     torch.backends.mha.get_fastpath_enabled()
-        False
+        ...     torch.backends.mha.get_fastpath_enabled()  # nothing is compiling
+        True
     """
     grad = torch.is_grad_enabled()
     if any(not (grad and module.training) for module in modules):
-        return _FAST_PATH.off()
+        return _FAST_PATH.calling()
     return contextlib.nullcontext()
 
 
