@@ -17,7 +17,8 @@ That is the ``run`` sub-command, the default. The workloads and the ``--module``
 :mod:`lightning_ort.bench.workloads`; the ``depth``, ``shapes``, ``fsdp``, ``memory`` and ``table`` studies
 (``python -m lightning_ort.bench depth 2 12``) in :mod:`lightning_ort.bench.depth`,
 :mod:`lightning_ort.bench.shapes`, :mod:`lightning_ort.bench.fsdp`, :mod:`lightning_ort.bench.memory` and
-:mod:`lightning_ort.bench.table` (the GPU table in one command); the measurements they take in fresh processes
+:mod:`lightning_ort.bench.table` (the GPU table in one command), and the ``conv`` study of the convolution
+backward's forms in :mod:`lightning_ort.bench.conv`; the measurements they take in fresh processes
 in :mod:`lightning_ort.bench.probe`.
 """
 
@@ -46,6 +47,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
+from lightning_ort.bench.conv import LAYERS, ConvReport, run_conv_study
 from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
 from lightning_ort.bench.memory import MemoryReport, run_memory_study
@@ -411,7 +413,7 @@ def inductor_cache(cold: bool) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-STUDIES = ("run", "depth", "shapes", "fsdp", "memory", "table")
+STUDIES = ("run", "depth", "shapes", "fsdp", "memory", "table", "conv")
 """The sub-commands; ``run`` (the workloads) is the default."""
 
 
@@ -419,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     """Command-line entry point; returns the report it printed (the study's own report type).
 
     ``python -m lightning_ort.bench [run] ...`` times the workloads; ``depth LAYERS...``, ``shapes LENGTH...``,
-    ``fsdp RANKS``, ``memory [ROUTE...]`` and ``table`` run the studies. Without a sub-command the arguments
+    ``fsdp RANKS``, ``memory [ROUTE...]``, ``table`` and ``conv`` run the studies. Without a sub-command the arguments
     are ``run``'s.
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
@@ -439,6 +441,11 @@ def main(argv: Sequence[str] | None = None) -> Report:
     if args.study == "fsdp":
         fsdp = run_fsdp_study(args.ranks, args.layers, args.width, args.steps, device)
         return _emit(FsdpReport(**_machine(args, device), fsdp=fsdp), args)
+    if args.study == "conv":
+        if device.type != "cpu":
+            parser.error("conv: the study times ONNX Runtime's CPU kernels; run it with --device cpu")
+        layers = [layer for layer in LAYERS if not args.workload or layer.workload in args.workload]
+        return _emit(ConvReport(**_machine(args, device), conv=run_conv_study(layers, args.steps)), args)
     if args.study == "memory":
         (workload,) = build_workloads(
             [] if args.module else [args.workload], [args.module] if args.module else [], device
@@ -516,7 +523,7 @@ def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
-    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory,table}")
+    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory,table,conv}")
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
@@ -621,6 +628,16 @@ def _parser() -> argparse.ArgumentParser:
         help=f"repeatable; default: {' '.join(TABLE_ROWS)}",
     )
     table.add_argument("--tiny", action="store_true", help="GPT-2 with 2 layers of width 64 on 2x32 tokens (dry run)")
+
+    conv = studies.add_parser(
+        "conv",
+        parents=[shared],
+        help="every form of a 3x3 convolution's input and weight gradients in ONNX Runtime (CPU), against eager's "
+        "backward, for the layers of the cnn and resnet18 workloads",
+    )
+    conv.add_argument(
+        "--workload", choices=sorted({layer.workload for layer in LAYERS}), action="append", help="default: both"
+    )
     return parser
 
 
