@@ -190,7 +190,7 @@ def _flipped(layer: ConvLayer) -> onnx.ModelProto | None:
         helper.make_node("Reshape", ["reversed", "kernel_shape"], ["flipped"]),
         helper.make_node("Conv", ["gy", "flipped"], ["out"], pads=[1, 1, 1, 1]),
     ]
-    constants = {
+    constants: dict[str, np.ndarray] = {
         "taps_shape": np.array([-1, 9], np.int64),
         "exchange": np.eye(9, dtype=np.float32)[::-1].copy(),
         "kernel_shape": np.array([layer.channels, layer.out_channels, 3, 3], np.int64),

@@ -261,9 +261,48 @@ def test_nchwc_weights_are_reordered_without_a_transpose(blocks: tuple[int, int]
     np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-4, atol=1e-4)
 
 
+@needs_nchwc
+@pytest.mark.parametrize(
+    ("kernel", "attributes", "bias", "batch"),
+    [
+        (3, {"pads": [1, 1, 1, 1]}, False, 3),
+        (3, {"pads": [1, 1, 1, 1], "strides": [2, 2]}, True, 3),
+        (7, {"pads": [3, 3, 3, 3]}, True, 2),  # ConvNeXt's 7x7 depthwise layers
+        (5, {"dilations": [2, 2]}, False, 1),  # a depthwise weight gradient: one "image", the gradient as kernel
+    ],
+)
+def test_depthwise_convolutions_run_on_nchwc_kernels_with_the_same_result(
+    kernel: int, attributes: dict[str, object], bias: bool, batch: int
+) -> None:
+    block = nchwc_block_size()
+    channels = 2 * block
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, 13, 13]),
+        helper.make_tensor_value_info("w", TensorProto.FLOAT, [channels, 1, kernel, kernel]),
+        *([helper.make_tensor_value_info("b", TensorProto.FLOAT, [channels])] if bias else []),
+    ]
+    conv = helper.make_node("Conv", [i.name for i in inputs], ["y"], "node_depthwise", group=channels, **attributes)
+    graph = helper.make_graph([conv], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    rng = np.random.default_rng(2)
+    feeds = {
+        "x": rng.standard_normal((batch, channels, 13, 13), dtype=np.float32),
+        "w": rng.standard_normal((channels, 1, kernel, kernel), dtype=np.float32),
+    }
+    if bias:
+        feeds["b"] = rng.standard_normal(channels, dtype=np.float32)
+    expected = _run(model, feeds)
+    assert use_nchwc_convolutions(model, block) == 1
+    assert ("com.microsoft.nchwc", "Conv") in [(n.domain, n.op_type) for n in model.graph.node]
+    assert "Transpose" not in {node.op_type for node in model.graph.node}
+    np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("in_channels", "out_channels", "attributes", "dtype"),
     [
+        (16, 32, {"group": 16}, TensorProto.FLOAT),  # depthwise with two output channels per input channel
+        (24, 24, {"group": 24}, TensorProto.FLOAT),  # depthwise, channels not a multiple of the block
         (3, 16, {}, TensorProto.FLOAT),  # a first layer's 3 input channels
         (16, 24, {}, TensorProto.FLOAT),  # output channels not a multiple of the block
         (16, 16, {"group": 2}, TensorProto.FLOAT),

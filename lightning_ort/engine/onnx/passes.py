@@ -494,17 +494,21 @@ def _leading_reduction(
 def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     """Run 2-D convolutions on ONNX Runtime's NCHWc kernels, their weights reordered in the graph; in place.
 
-    A float32 ``Conv`` with ``group=1``, a 4-d input and static input and output channel counts that are
-    multiples of ``block`` (:func:`nchwc_block_size`) becomes ``ReorderInput`` -> ``com.microsoft.nchwc.Conv``
-    -> ``ReorderOutput``, its weight turned into the kernel's blocked ``OIHWBiBo`` layout in the graph (the
-    weights are graph inputs, updated every step). On batches of images that is faster than plain ``Conv``
-    (which multiplies one image at a time), reorders included. The rest (grouped and depthwise convolutions, a
+    A float32 ``Conv`` with a 4-d input and static channel counts that are multiples of ``block``
+    (:func:`nchwc_block_size`), either dense (``group=1``) or depthwise (``group`` = input channels = output
+    channels), becomes ``ReorderInput`` -> ``com.microsoft.nchwc.Conv`` -> ``ReorderOutput``, its weight turned
+    into the kernel's blocked layout in the graph (the weights are graph inputs, updated every step). On batches
+    of images that is faster than plain ``Conv`` (which multiplies one image at a time, and runs a depthwise
+    convolution as one small product per channel), reorders included. The rest (other grouped convolutions, a
     first layer's 3 input channels) stays as it is. Returns the number of nodes rewritten.
 
-    The weight is reordered by two ``ReorderInput`` nodes, MLAS's threaded channel blocking: the first blocks
-    the input channels (``[O, I, kh, kw]`` to ``[O, I/B, kh, kw, Bi]``), the second, on that viewed as
-    ``[O/B, Bo, I/B * kh * kw * Bi, 1]``, blocks the output channels innermost. ONNX Runtime's ``Transpose``
-    does the same reorder in one node single-threaded, several times slower (see the performance page).
+    The weights are reordered by ``ReorderInput`` nodes, MLAS's threaded channel blocking. A dense weight takes
+    two: the first blocks the input channels (``[O, I, kh, kw]`` to ``[O, I/B, kh, kw, Bi]``), the second, on
+    that viewed as ``[O/B, Bo, I/B * kh * kw * Bi, 1]``, blocks the output channels innermost (``OIHWBiBo``).
+    ONNX Runtime's ``Transpose`` does the same reorder in one node single-threaded, several times slower (see
+    the performance page). A depthwise weight ``[C, 1, kh, kw]``, viewed as ``[1, C, kh * kw, 1]``, takes one
+    (``OIHWBo``). The depthwise convolutions of the backward (a depthwise weight gradient is one, whose kernel is
+    the output gradient) take the same path.
 
     Example:
         >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16, 8, 8])
@@ -527,34 +531,24 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
             continue
         out_channels, in_channels, *kernel = weight_shape
         prefix = f"{node.name or node.output[0]}_nchwc"
+        if in_channels == 1 and out_channels > 1:
+            nodes += _depthwise_nchwc(node, weight_shape, prefix, initializers)
+            rewritten += 1
+            continue
         split_shape, blocked_shape = f"{prefix}_split_shape", f"{prefix}_weight_shape"
         inputs_blocked, split_weight, ordered_weight = f"{prefix}_in_blocked", f"{prefix}_split", f"{prefix}_ordered"
         weight = f"{prefix}_weight"
-        blocked_input, blocked_output = f"{prefix}_input", f"{prefix}_output"
         split = [out_channels // block, block, in_channels * math.prod(kernel), 1]
         initializers += [
             numpy_helper.from_array(np.array(split, np.int64), split_shape),
             numpy_helper.from_array(np.array(weight_shape, np.int64), blocked_shape),
         ]
-        conv = helper.make_node(
-            "Conv", [blocked_input, weight, *node.input[2:]], [blocked_output], node.name, domain=_NCHWC
-        )
-        conv.attribute.extend(node.attribute)
         nodes += [
             helper.make_node("ReorderInput", [node.input[1]], [inputs_blocked], inputs_blocked, domain=_NCHWC),
             helper.make_node("Reshape", [inputs_blocked, split_shape], [split_weight], split_weight),
             helper.make_node("ReorderInput", [split_weight], [ordered_weight], ordered_weight, domain=_NCHWC),
             helper.make_node("Reshape", [ordered_weight, blocked_shape], [weight], weight),
-            helper.make_node("ReorderInput", [node.input[0]], [blocked_input], blocked_input, domain=_NCHWC),
-            conv,
-            helper.make_node(
-                "ReorderOutput",
-                [blocked_output],
-                list(node.output),
-                f"{prefix}_reorder_output",
-                domain=_NCHWC,
-                channels=out_channels,
-            ),
+            *_blocked_conv(node, weight, prefix, weight_shape),
         ]
         rewritten += 1
     if rewritten:
@@ -565,20 +559,67 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     return rewritten
 
 
+def _depthwise_nchwc(
+    node: onnx.NodeProto, weight_shape: list[int], prefix: str, initializers: list[onnx.TensorProto]
+) -> list[onnx.NodeProto]:
+    """The nodes that run depthwise ``node`` on NCHWc kernels: its ``[C, 1, kh, kw]`` weight blocked as
+    ``[C/B, kh, kw, B]`` by one ``ReorderInput`` on its ``[1, C, kh * kw, 1]`` view."""
+    channels, _, *kernel = weight_shape
+    view_shape, kernel_shape = f"{prefix}_view_shape", f"{prefix}_weight_shape"
+    view, blocked, weight = f"{prefix}_view", f"{prefix}_blocked", f"{prefix}_weight"
+    initializers += [
+        numpy_helper.from_array(np.array([1, channels, math.prod(kernel), 1], np.int64), view_shape),
+        numpy_helper.from_array(np.array(weight_shape, np.int64), kernel_shape),
+    ]
+    return [
+        helper.make_node("Reshape", [node.input[1], view_shape], [view], view),
+        helper.make_node("ReorderInput", [view], [blocked], blocked, domain=_NCHWC),
+        helper.make_node("Reshape", [blocked, kernel_shape], [weight], weight),
+        *_blocked_conv(node, weight, prefix, weight_shape),
+    ]
+
+
+def _blocked_conv(node: onnx.NodeProto, weight: str, prefix: str, weight_shape: list[int]) -> list[onnx.NodeProto]:
+    """``node`` as an NCHWc ``Conv`` with the blocked ``weight``, between the reorders of its input and output."""
+    blocked_input, blocked_output = f"{prefix}_input", f"{prefix}_output"
+    conv = helper.make_node(
+        "Conv", [blocked_input, weight, *node.input[2:]], [blocked_output], node.name, domain=_NCHWC
+    )
+    conv.attribute.extend(node.attribute)
+    if not any(attribute.name == "kernel_shape" for attribute in node.attribute):
+        conv.attribute.append(helper.make_attribute("kernel_shape", weight_shape[2:]))
+    return [
+        helper.make_node("ReorderInput", [node.input[0]], [blocked_input], blocked_input, domain=_NCHWC),
+        conv,
+        helper.make_node(
+            "ReorderOutput",
+            [blocked_output],
+            list(node.output),
+            f"{prefix}_reorder_output",
+            domain=_NCHWC,
+            channels=weight_shape[0],
+        ),
+    ]
+
+
 def _nchwc_weight_shape(node: onnx.NodeProto, values: dict[str, _Value], block: int) -> list[int] | None:
     """The weight's static shape if ``node`` is a ``Conv`` :func:`use_nchwc_convolutions` rewrites, else ``None``."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return None
     attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
-    if attributes.get("group", 1) != 1 or attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+    if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         return None
     data, weight = values.get(node.input[0]), values.get(node.input[1])
     if data is None or weight is None or weight.static_shape is None:
         return None
     if data.elem_type != onnx.TensorProto.FLOAT or len(data.dims) != 4 or len(weight.dims) != 4:
         return None
-    out_channels, in_channels = weight.static_shape[:2]
-    if data.dims[1] != in_channels or in_channels % block or out_channels % block:
+    out_channels, in_per_group = weight.static_shape[:2]
+    group = attributes.get("group", 1)
+    depthwise = group == out_channels == data.dims[1] and in_per_group == 1 and group > 1
+    if group != 1 and not depthwise:
+        return None
+    if data.dims[1] != (out_channels if depthwise else in_per_group) or data.dims[1] % block or out_channels % block:
         return None
     return weight.static_shape
 
