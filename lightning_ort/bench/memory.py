@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from typing_extensions import override
 
-from lightning_ort.bench.report import Report
-from lightning_ort.bench.runtimes import Runner, cuda_memory_mark, cuda_peak_growth
-from lightning_ort.bench.workloads import Workload, synchronize
+from lightning_ort.bench.report import Report, peak_cells
+from lightning_ort.bench.runtimes import empty_cuda_mark, peak_mib, warmed_runner
+from lightning_ort.bench.workloads import Workload
 from lightning_ort.options import CUDA_MEMORY, AttentionPath, CudaMemory
 
 WARMUP = 2
@@ -58,20 +58,16 @@ def run_memory_study(
 
 
 def _train(name: str, workload: Workload, device: torch.device, steps: int, precision: str) -> MemoryRun:
-    cuda = device.type == "cuda"
-    synchronize(device)
-    if cuda:
-        torch.cuda.empty_cache()
-        mark = cuda_memory_mark(device)
-    torch.manual_seed(0)
-    runner = Runner(name, workload, device, precision=precision)
-    first_step_s = runner.step()
-    for _ in range(WARMUP):
-        runner.step()
+    mark = empty_cuda_mark(device)
+    runner = warmed_runner(name, workload, device, precision, WARMUP)
     times_s = [runner.step() for _ in range(steps)]
-    peak = cuda_peak_growth(device, mark) / 2**20 if cuda else None
     return MemoryRun(
-        name, statistics.median(times_s) * 1e3, first_step_s, peak, runner.losses, runner.pytorch_fallback()
+        name,
+        statistics.median(times_s) * 1e3,
+        runner.first_step_s,
+        peak_mib(device, mark),
+        runner.losses,
+        runner.pytorch_fallback(),
     )
 
 
@@ -84,11 +80,9 @@ def format_memory_report(runs: Sequence[MemoryRun], workload: str) -> str:
         f"{'runtime':<{width}}{'step ms':>9}{'vs eager':>10}{'first step s':>14}{'peak MiB':>10}{'x eager':>9}",
     ]
     for run in runs:
-        peak = f"{run.peak_mib:>10.0f}" if run.peak_mib is not None else f"{'-':>10}"
-        ratio = f"{run.peak_mib / eager.peak_mib:>8.2f}x" if run.peak_mib and eager.peak_mib else f"{'-':>9}"
         lines.append(
             f"{run.runtime:<{width}}{run.step_ms:>9.2f}{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}"
-            f"{peak}{ratio}"
+            f"{peak_cells(run.peak_mib, eager.peak_mib)}"
         )
         if run.pytorch_fallback:
             lines.append(f"{'':<{width}}  ^ not all ONNX Runtime: {run.pytorch_fallback}")

@@ -9,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def peak_cells(peak_mib: float | None, eager_mib: float | None) -> str:
+    """A table's ``peak MiB`` and ``x eager`` cells (``-`` where a peak was not measured).
+
+    Example:
+        >>> peak_cells(1536.0, 1024.0), peak_cells(None, None)
+        ('      1536    1.50x', '         -        -')
+    """
+    peak = f"{peak_mib:>10.0f}" if peak_mib is not None else f"{'-':>10}"
+    ratio = f"{peak_mib / eager_mib:>8.2f}x" if peak_mib and eager_mib else f"{'-':>9}"
+    return peak + ratio
+
+
 @dataclass
 class Report:
     """The machine a study ran on, and the steps each of its figures is the median of.

@@ -58,11 +58,13 @@ from lightning_ort.bench.runtimes import (
     Runner,
     cuda_memory_mark,
     cuda_peak_growth,
+    max_loss_gap,
     runtime_name,
     time_in_blocks,
+    warmed_runner,
 )
 from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
-from lightning_ort.bench.table import TABLE_ROWS, TABLE_RUNTIMES, TINY_GPT2, TableReport, run_table, table_row
+from lightning_ort.bench.table import TABLE_ROWS, TABLE_RUNTIMES, TableReport, run_table, table_row, table_workload
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
@@ -226,14 +228,7 @@ def run_workload(
     runtimes: Sequence[str] = RUNTIMES,
 ) -> WorkloadResult:
     """Time ``runtimes`` (eager first) on ``workload``: warm-up, then ``steps`` timed steps in alternating blocks."""
-    runners: list[Runner] = []
-    for name in runtimes:
-        torch.manual_seed(0)
-        runner = Runner(name, workload, device, precision=precision)
-        runner.first_step_s = runner.step()
-        for _ in range(warmup):
-            runner.step()
-        runners.append(runner)
+    runners = [warmed_runner(name, workload, device, precision, warmup) for name in runtimes]
     time_in_blocks(runners, steps, block)
     flops = step_matmul_flops(workload)
     floor_ms = flops / (gflops * 1e9) * 1e3
@@ -251,11 +246,7 @@ def run_workload(
         )
         for r in runners
     }
-    loss_diff = max(
-        (abs(a - b) for r in runners if r.name.startswith("ort") for a, b in zip(runners[0].losses, r.losses)),
-        default=0.0,
-    )
-    return WorkloadResult(workload.name, flops / 1e9, floor_ms, results, loss_diff)
+    return WorkloadResult(workload.name, flops / 1e9, floor_ms, results, max_loss_gap(runners))
 
 
 def profile_workload(
@@ -503,9 +494,7 @@ def run_table_study(args: argparse.Namespace, runtimes: Sequence[str], device: t
     report = TableReport(**machine, rows=rows, tiny=args.tiny)
     if not args.no_lightning:
         name, precision = table_row((args.row or TABLE_ROWS)[0])
-        workload = (TINY_GPT2 if args.tiny and name == "gpt2" else WORKLOADS[name])(device)
-        workload.model.to(device)
-        light = run_lightning(workload, device, args.steps, args.warmup, precision)
+        light = run_lightning(table_workload(name, device, args.tiny), device, args.steps, args.warmup, precision)
         report.lightning_workload, report.plain_loop_ms, report.trainer_ms = name, light.plain_loop_ms, light.trainer_ms
     report.seconds = time.perf_counter() - start
     return report

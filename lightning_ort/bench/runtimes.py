@@ -128,6 +128,25 @@ class Runner:
         return elapsed
 
 
+def warmed_runner(name: str, workload: Workload, device: torch.device, precision: str, warmup: int) -> Runner:
+    """Runtime ``name``'s runner on ``workload``, built from seed 0, its first step (timed into ``first_step_s``)
+    and ``warmup`` more taken."""
+    torch.manual_seed(0)
+    runner = Runner(name, workload, device, precision=precision)
+    runner.first_step_s = runner.step()
+    for _ in range(warmup):
+        runner.step()
+    return runner
+
+
+def max_loss_gap(runners: Sequence[Runner]) -> float:
+    """The largest distance of an ORTModule runner's loss from the first runner's (eager's), step by step."""
+    return max(
+        (abs(a - b) for r in runners if r.name.startswith("ort") for a, b in zip(runners[0].losses, r.losses)),
+        default=0.0,
+    )
+
+
 def time_in_blocks(runners: Sequence[Runner], steps: int, block: int = 5) -> None:
     """Time ``steps`` steps of each runner into its ``times_ms``, ``block`` steps of one runner after another, so
     that a machine that slows down or speeds up during the run moves every runtime's figures alike."""
@@ -144,6 +163,21 @@ def cuda_memory_mark(device: torch.device) -> CudaMark:
     """Start measuring the peak device memory of what runs next on ``device`` (resets PyTorch's peak)."""
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device), _cuda_memory_outside_torch(device)
+
+
+def empty_cuda_mark(device: torch.device) -> CudaMark | None:
+    """On CUDA, empty PyTorch's cache and start measuring the peak of what runs next (:func:`cuda_memory_mark`);
+    ``None`` elsewhere, where one process cannot tell its runtimes' memory apart."""
+    synchronize(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return cuda_memory_mark(device)
+
+
+def peak_mib(device: torch.device, mark: CudaMark | None) -> float | None:
+    """MiB of peak device memory since ``mark`` (:func:`cuda_peak_growth`); ``None`` without a mark."""
+    return cuda_peak_growth(device, mark) / 2**20 if mark is not None else None
 
 
 def cuda_peak_growth(device: torch.device, mark: CudaMark) -> int:

@@ -25,9 +25,17 @@ from dataclasses import dataclass, field
 import torch
 from typing_extensions import override
 
-from lightning_ort.bench.report import Report
-from lightning_ort.bench.runtimes import PRECISIONS, Runner, cuda_memory_mark, cuda_peak_growth, time_in_blocks
-from lightning_ort.bench.workloads import WORKLOADS, Workload, gpt2_workload, synchronize
+from lightning_ort.bench.report import Report, peak_cells
+from lightning_ort.bench.runtimes import (
+    PRECISIONS,
+    Runner,
+    empty_cuda_mark,
+    max_loss_gap,
+    peak_mib,
+    time_in_blocks,
+    warmed_runner,
+)
+from lightning_ort.bench.workloads import WORKLOADS, Workload, gpt2_workload
 
 TABLE_ROWS = ("transformer/fp32", "mlp/fp32", "cnn/fp32", "gpt2/fp32", "gpt2/bf16")
 """The rows the table runs by default, as ``WORKLOAD/PRECISION``."""
@@ -79,28 +87,25 @@ class TableRow:
     max_abs_loss_diff: float
 
 
+def table_workload(name: str, device: torch.device, tiny: bool = False) -> Workload:
+    """Workload ``name`` on ``device``, GPT-2 at :data:`TINY_GPT2`'s size where ``tiny``."""
+    workload = (TINY_GPT2 if tiny and name == "gpt2" else WORKLOADS[name])(device)
+    workload.model.to(device)
+    return workload
+
+
 def run_table_row(
     workload: Workload, precision: str, runtimes: Sequence[str], device: torch.device, steps: int, warmup: int
 ) -> TableRow:
     """Build and warm up each of ``runtimes`` (eager first) on ``workload`` one after another, measuring its peak
     device memory, then time ``steps`` steps of each in alternating blocks."""
-    cuda = device.type == "cuda"
     runners: list[Runner] = []
     peaks: list[float | None] = []
     for name in runtimes:
-        synchronize(device)
-        if cuda:
-            torch.cuda.empty_cache()
-            mark = cuda_memory_mark(device)
-        torch.manual_seed(0)
-        runner = Runner(name, workload, device, precision=precision)
-        runner.first_step_s = runner.step()
-        for _ in range(warmup):
-            runner.step()
-        peaks.append(cuda_peak_growth(device, mark) / 2**20 if cuda else None)
-        runners.append(runner)
+        mark = empty_cuda_mark(device)
+        runners.append(warmed_runner(name, workload, device, precision, warmup))
+        peaks.append(peak_mib(device, mark))
     time_in_blocks(runners, steps)
-    eager = runners[0]
     runs = [
         TableRun(
             runner.name,
@@ -112,11 +117,7 @@ def run_table_row(
         )
         for runner, peak in zip(runners, peaks)
     ]
-    loss_diff = max(
-        (abs(a - b) for r in runners if r.name.startswith("ort") for a, b in zip(eager.losses, r.losses)),
-        default=0.0,
-    )
-    return TableRow(workload.name, precision, runs, loss_diff)
+    return TableRow(workload.name, precision, runs, max_loss_gap(runners))
 
 
 def run_table(
@@ -127,9 +128,7 @@ def run_table(
     results = []
     for spec in rows:
         name, precision = table_row(spec)
-        factory = TINY_GPT2 if tiny and name == "gpt2" else WORKLOADS[name]
-        workload = factory(device)
-        workload.model.to(device)
+        workload = table_workload(name, device, tiny)
         results.append(run_table_row(workload, precision, runtimes, device, steps, warmup))
         del workload
         gc.collect()
@@ -145,11 +144,10 @@ def format_table(rows: Sequence[TableRow]) -> list[str]:
     for row in rows:
         eager = row.runs[0]
         for run in row.runs:
-            peak = f"{run.peak_mib:>10.0f}" if run.peak_mib is not None else f"{'-':>10}"
-            ratio = f"{run.peak_mib / eager.peak_mib:>8.2f}x" if run.peak_mib and eager.peak_mib else f"{'-':>9}"
             lines.append(
                 f"{row.workload:<13}{row.precision:<11}{run.runtime:<22}{run.step_ms:>9.2f}"
-                f"{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}{peak}{ratio}"
+                f"{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}"
+                + peak_cells(run.peak_mib, eager.peak_mib)
             )
             if run.pytorch_fallback:
                 lines.append(f"{'':<24}  ^ not all ONNX Runtime: {run.pytorch_fallback}")
