@@ -568,6 +568,7 @@ def test_integer_pad_becomes_a_concatenation_with_the_same_values(
         (TensorProto.FLOAT, "constant", [0, 1]),
         (TensorProto.INT64, "reflect", [0, 1]),
         (TensorProto.INT64, "constant", [0, -1]),
+        (TensorProto.INT64, "constant", [0, 0]),  # adds nothing: no block to concatenate
     ],
 )
 def test_pads_with_a_cuda_kernel_or_that_are_not_constant_blocks_stay(

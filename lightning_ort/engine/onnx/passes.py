@@ -712,40 +712,33 @@ def pad_by_concat(model: onnx.ModelProto) -> int:
     """
     graph = model.graph
     values = _values(graph)
-    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    initializers = {init.name: init for init in graph.initializer}
     nodes: list[onnx.NodeProto] = []
     rewritten = 0
     for node in graph.node:
-        blocks = _pad_blocks(node, values, constants)
+        blocks = _pad_blocks(node, values, initializers)
         if blocks is None:
             nodes.append(node)
             continue
         elem_type, dims, fill, widths = blocks
-        current = node.input[0]
         fill_name = f"{node.name}_fill"
         graph.initializer.append(
             numpy_helper.from_array(np.array(fill, helper.tensor_dtype_to_np_dtype(elem_type)), fill_name)
         )
-        for axis, (before, after) in enumerate(widths):
-            if not (before or after):
-                continue
-            parts = []
-            for side, width in (("before", before), ("after", after)):
-                if not width:
-                    continue
-                shape_name = f"{node.name}_{side}_{axis}_shape"
-                block = f"{node.name}_{side}_{axis}"
-                graph.initializer.append(
-                    numpy_helper.from_array(np.array([*dims[:axis], width, *dims[axis + 1 :]], np.int64), shape_name)
-                )
-                nodes.append(helper.make_node("Expand", [fill_name, shape_name], [block], block))
-                parts.append((side, block))
-            dims[axis] += before + after
-            ordered = [name for side, name in parts if side == "before"] + [current]
-            ordered += [name for side, name in parts if side == "after"]
-            last = all(not (b or a) for b, a in widths[axis + 1 :])
-            output = node.output[0] if last else f"{node.name}_axis_{axis}"
-            nodes.append(helper.make_node("Concat", ordered, [output], f"{node.name}_concat_{axis}", axis=axis))
+        padded = [axis for axis, width in enumerate(widths) if any(width)]
+        current = node.input[0]
+        for axis in padded:
+            parts = [current]
+            for side, width in zip(("before", "after"), widths[axis]):
+                if width:
+                    block = f"{node.name}_{side}_{axis}"
+                    shape = np.array([*dims[:axis], width, *dims[axis + 1 :]], np.int64)
+                    graph.initializer.append(numpy_helper.from_array(shape, f"{block}_shape"))
+                    nodes.append(helper.make_node("Expand", [fill_name, f"{block}_shape"], [block], block))
+                    parts.insert(0 if side == "before" else len(parts), block)
+            dims[axis] += sum(widths[axis])
+            output = node.output[0] if axis == padded[-1] else f"{node.name}_axis_{axis}"
+            nodes.append(helper.make_node("Concat", parts, [output], f"{node.name}_concat_{axis}", axis=axis))
             current = output
         rewritten += 1
     if rewritten:
@@ -764,37 +757,40 @@ def cuda_host_nodes(model: onnx.ModelProto) -> list[str]:
         ['Shape node_shape']
     """
     values = _values(model.graph)
-    host = []
-    for node in model.graph.node:
-        if not _in_default_domain(node):
-            continue
-        data = values.get(node.input[0]) if node.input else None
-        if node.op_type in ("Shape", "Size") or (
-            node.op_type == "Pad" and data is not None and data.elem_type not in CUDA_PAD_TYPES
-        ):
-            host.append(f"{node.op_type} {node.name}")
-    return host
+    return [
+        f"{node.op_type} {node.name}"
+        for node in model.graph.node
+        if _in_default_domain(node) and (node.op_type in ("Shape", "Size") or _pads_on_host(node, values))
+    ]
+
+
+def _pads_on_host(node: onnx.NodeProto, values: dict[str, _Value]) -> bool:
+    """Whether ``node`` is a ``Pad`` of a type the CUDA provider has no ``Pad`` kernel for."""
+    data = values.get(node.input[0]) if node.op_type == "Pad" and node.input else None
+    return data is not None and data.elem_type not in CUDA_PAD_TYPES
 
 
 def _pad_blocks(
-    node: onnx.NodeProto, values: dict[str, _Value], constants: dict[str, np.ndarray]
+    node: onnx.NodeProto, values: dict[str, _Value], initializers: dict[str, onnx.TensorProto]
 ) -> tuple[int, list[int], Any, list[tuple[int, int]]] | None:
     """For a ``Pad`` that :func:`pad_by_concat` rewrites: its element type, its input's dims, its fill value and
-    the (before, after) widths per axis; ``None`` for any other node."""
-    if node.op_type != "Pad" or not _in_default_domain(node) or not node.input[0]:
+    the (before, after) widths per axis; ``None`` for any other node, and for a pad that adds nothing."""
+    if not _in_default_domain(node) or not _pads_on_host(node, values):
         return None
     mode = next((attr.s for attr in node.attribute if attr.name == "mode"), b"constant")
-    data = values.get(node.input[0])
-    if mode != b"constant" or data is None or data.elem_type in CUDA_PAD_TYPES:
-        return None
+    data = values[node.input[0]]
     dims = [size for size in data.dims if isinstance(size, int) and size > 0]
-    if len(dims) != len(data.dims) or len(node.input) < 2:
+    if mode != b"constant" or len(dims) != len(data.dims) or len(node.input) < 2:
         return None
-    pads = constants.get(node.input[1])
-    fill = constants.get(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros(())
-    axes_given = len(node.input) > 3 and node.input[3]
-    axes = constants.get(node.input[3]) if axes_given else np.arange(len(dims))
-    if pads is None or fill is None or axes is None or fill.size != 1 or (pads < 0).any():
+
+    def constant(index: int) -> np.ndarray | None:
+        tensor = initializers.get(node.input[index])
+        return numpy_helper.to_array(tensor) if tensor is not None else None
+
+    pads = constant(1)
+    fill = constant(2) if len(node.input) > 2 and node.input[2] else np.zeros(())
+    axes = constant(3) if len(node.input) > 3 and node.input[3] else np.arange(len(dims))
+    if pads is None or fill is None or axes is None or fill.size != 1 or (pads < 0).any() or not pads.any():
         return None
     widths = [(0, 0)] * len(dims)
     for position, axis in enumerate(int(a) % len(dims) for a in axes.reshape(-1)):
