@@ -69,10 +69,9 @@ def capture_provider_options() -> dict[str, str]:
 
 @dataclass
 class _Captured:
-    """One captured graph: its id, the binding of its fixed buffers, and the buffers (``None`` where an input is
-    a parameter bound as it is)."""
+    """One captured graph: the binding of its fixed buffers, the buffers (``None`` where an input is a parameter
+    bound as it is), and the run options that name its ``gpu_graph_id``."""
 
-    graph_id: int
     binding: SessionIOBinding
     inputs: list[torch.Tensor | None]
     outputs: list[torch.Tensor]
@@ -128,17 +127,15 @@ class CapturedGraphs:
         for buffer, tensor in zip(captured.inputs, inputs):
             if buffer is not None:
                 buffer.copy_(tensor)
-        current = torch.cuda.current_stream(self._device) if self._stream is not None else None
-        if self._stream is not None and current is not None:
-            self._stream.wait_stream(current)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
         self._run_session.run_with_iobinding(captured.binding, captured.run_options)
-        if self._stream is not None and current is not None:
-            current.wait_stream(self._stream)
+        if self._stream is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._stream)
         return [output.clone() for output in captured.outputs]
 
     def _buffers(self, inputs: list[torch.Tensor]) -> _Captured:
         """The fixed buffers and the binding of a new graph for ``inputs``, and its run options."""
-        graph_id = len(self._graphs)
         binding = SessionIOBinding(self._run_session)
         buffers: list[torch.Tensor | None] = []
         for name, tensor in zip(self._input_names, inputs):
@@ -152,6 +149,6 @@ class CapturedGraphs:
         for name, output in zip(self._output_names, outputs):
             self._bind(binding.bind_output, name, output)
         options = ort.RunOptions()
-        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        options.add_run_config_entry("gpu_graph_id", str(len(self._graphs)))
         options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        return _Captured(graph_id, binding, buffers, outputs, options)
+        return _Captured(binding, buffers, outputs, options)

@@ -171,17 +171,14 @@ class GraphSession:
         self._profiling = debug.profile
         captures = _captures(graph, device, settings)
         capture = torch.cuda.Stream(device) if captures and device.type == "cuda" else None
+        providers = providers_for(device, settings, capture)
         if captures:
             try:
-                self._session = self._create(graph, options, providers_for(device, settings, capture))
+                self._session = self._create(graph, options, providers)
             except Exception as err:
-                warn(
-                    f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: ONNX Runtime refused "
-                    f"it ({first_line(err)}).",
-                    CudaGraphWarning,
-                )
+                _warn_uncaptured(graph, f"ONNX Runtime refused it ({first_line(err)})")
                 captures, capture = False, None
-        providers = providers_for(device, settings, capture)
+                providers = providers_for(device, settings)
         try:
             if not captures:
                 if device.type == "cuda":
@@ -355,9 +352,13 @@ def _captures(graph: ExportedGraph, device: torch.device, settings: SessionSetti
         return False
     refusal = capture_refusal(graph)
     if refusal is not None:
-        warn(f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: {refusal}.", CudaGraphWarning)
+        _warn_uncaptured(graph, refusal)
         return False
     return True
+
+
+def _warn_uncaptured(graph: ExportedGraph, reason: str) -> None:
+    warn(f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: {reason}.", CudaGraphWarning)
 
 
 def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.cuda.ExternalStream | None:
