@@ -7,10 +7,10 @@ PyTorch's own backward (oneDNN), in one process, and checks that each form compu
 
 * input gradient: ``Conv`` with the flipped kernel (``flipped``, stride 1 only) and ``ConvTranspose``
   (``transposed``);
-* weight gradient: the unfolded input (im2col, by a one-hot depthwise ``Conv``) times the output gradient image
-  by image, then summed (``per_image``); the same as one contraction over images and positions
-  (``contraction``); and one ``Conv`` of the input with the output gradient as its kernel, batch and channels
-  swapped (``swapped``).
+* weight gradient: the unfolded input (im2col, by a one-hot depthwise ``Conv``, or on images of at most
+  16 positions by a product with a 0/1 selection matrix) times the output gradient image by image, then
+  summed (``per_image``); the same as one contraction over images and positions (``contraction``); and one
+  ``Conv`` of the input with the output gradient as its kernel, batch and channels swapped (``swapped``).
 
 The forms ORTModule picks are marked; the decision table is on the performance page.
 """
@@ -31,6 +31,8 @@ from onnx import TensorProto, helper, numpy_helper
 from typing_extensions import override
 
 from lightning_ort.bench.report import Report
+from lightning_ort.engine.fx.decompositions import SELECTION_POSITIONS, selection_matrix
+from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ def _median_ms(run: Callable[[], object], steps: int) -> float:
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """The form as ORTModule runs it: its convolutions on NCHWc kernels where :func:`use_nchwc_convolutions` can."""
+    model = onnx.shape_inference.infer_shapes(model)
+    use_nchwc_convolutions(model, nchwc_block_size())
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -213,15 +218,24 @@ def _transposed(layer: ConvLayer) -> onnx.ModelProto:
 
 def _columns(layer: ConvLayer) -> tuple[list[onnx.NodeProto], dict[str, np.ndarray]]:
     """im2col: ``cols`` ``[images, channels * 9, positions]``, as the decomposition unfolds the input."""
+    shape = np.array([layer.images, layer.channels * 9, layer.out_size**2], np.int64)
+    if layer.size**2 <= SELECTION_POSITIONS:
+        image = torch.empty(1, 1, layer.size, layer.size)
+        selection = selection_matrix(image, [3, 3], [layer.stride] * 2, [1, 1], [1, 1]).numpy()
+        nodes = [
+            helper.make_node("Reshape", ["x", "images_shape"], ["images"]),
+            helper.make_node("MatMul", ["images", "selection"], ["unfolded"]),
+            helper.make_node("Reshape", ["unfolded", "columns_shape"], ["cols"]),
+        ]
+        images_shape = np.array([-1, layer.size**2], np.int64)
+        return nodes, {"images_shape": images_shape, "selection": selection, "columns_shape": shape}
     one_hot = np.tile(np.eye(9, dtype=np.float32).reshape(9, 1, 3, 3), (layer.channels, 1, 1, 1))
-    positions = layer.out_size**2
     nodes = [
         helper.make_node(
             "Conv", ["x", "one_hot"], ["unfolded"], pads=[1, 1, 1, 1], strides=[layer.stride] * 2, group=layer.channels
         ),
         helper.make_node("Reshape", ["unfolded", "columns_shape"], ["cols"]),
     ]
-    shape = np.array([layer.images, layer.channels * 9, positions], np.int64)
     return nodes, {"one_hot": one_hot, "columns_shape": shape}
 
 
@@ -248,11 +262,19 @@ def _contraction(layer: ConvLayer) -> onnx.ModelProto:
         helper.make_node("Reshape", ["cols_t", "rows_shape"], ["rows"]),
         helper.make_node("Transpose", ["gy"], ["g"], perm=[1, 0, 2, 3]),
         helper.make_node("Reshape", ["g", "grad_rows_shape"], ["grad_rows"]),
-        helper.make_node("Transpose", ["grad_rows"], ["grad_cols"], perm=[1, 0]),
-        helper.make_node("MatMul", ["rows", "grad_cols"], ["product"]),
-        helper.make_node("Transpose", ["product"], ["flat"], perm=[1, 0]),
-        helper.make_node("Reshape", ["flat", "weight_shape"], ["out"]),
     ]
+    if layer.images * layer.out_size**2 <= layer.out_channels:  # the decomposition's order, no transposed result
+        nodes += [
+            helper.make_node("Transpose", ["rows"], ["cols_rows"], perm=[1, 0]),
+            helper.make_node("MatMul", ["grad_rows", "cols_rows"], ["flat"]),
+        ]
+    else:
+        nodes += [
+            helper.make_node("Transpose", ["grad_rows"], ["grad_cols"], perm=[1, 0]),
+            helper.make_node("MatMul", ["rows", "grad_cols"], ["product"]),
+            helper.make_node("Transpose", ["product"], ["flat"], perm=[1, 0]),
+        ]
+    nodes.append(helper.make_node("Reshape", ["flat", "weight_shape"], ["out"]))
     constants |= _weight_constants(layer)
     constants["rows_shape"] = np.array([layer.channels * 9, -1], np.int64)
     constants["grad_rows_shape"] = np.array([layer.out_channels, -1], np.int64)

@@ -75,6 +75,46 @@ def test_weight_gradient_in_batch_parts_matches_aten(
     torch.testing.assert_close(convolution_backward(gy, x, w, None, *args, [False, True, False])[1], expected)
 
 
+@pytest.mark.parametrize(
+    ("size", "kernel", "stride", "padding", "dilation"),
+    [(2, 3, 1, 1, 1), (4, 3, 2, 1, 1), (4, 3, 1, 2, 2), (3, 2, 1, 0, 1), (4, 1, 1, 1, 1), (1, 3, 1, 1, 1)],
+)
+def test_small_images_unfolded_by_a_selection_product_match_aten(
+    size: int, kernel: int, stride: int, padding: int, dilation: int
+) -> None:
+    """Images of at most 16 positions take the selection-matrix im2col, in both weight-gradient orders."""
+    assert size * size <= decompositions.SELECTION_POSITIONS
+    g = torch.Generator().manual_seed(0)
+    for images, out_channels in ((3, 16), (40, 8)):  # the contraction with and without its result transposed
+        x = torch.randn(images, 8, size, size, generator=g, dtype=torch.float64)
+        w = torch.randn(out_channels, 8, kernel, kernel, generator=g, dtype=torch.float64)
+        args = ([stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], 1)
+        gy = torch.randn(aten.convolution(x, w, None, *args).shape, generator=g, dtype=torch.float64)
+        expected = aten.convolution_backward(gy, x, w, None, *args, [False, True, False])[1]
+        torch.testing.assert_close(convolution_backward(gy, x, w, None, *args, [False, True, False])[1], expected)
+
+
+def test_small_images_are_unfolded_by_a_product_in_the_exported_graph(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
+    x = torch.randn(6, 8, 4, 4)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    graph = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph
+    grouped = [
+        n.name for n in graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i > 1 for a in n.attribute)
+    ]
+    assert not grouped, "no one-hot convolution unfolds the images"
+    constants = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
+    selections = [constants[name] for n in graph.node if n.op_type == "MatMul" for name in n.input if name in constants]
+    selections = [s for s in selections if s.shape[0] == 16]  # 4x4 images: 16 positions
+    assert sorted(s.shape for s in selections) == [(16, 36), (16, 144)], "one 0/1 matrix per layer (2x2, 4x4 out)"
+    assert all(set(s.ravel().tolist()) == {0.0, 1.0} for s in selections)
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_large_columns_are_unfolded_in_parts_in_the_exported_graph(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

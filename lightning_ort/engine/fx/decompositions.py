@@ -169,10 +169,7 @@ def _unfolded_weight_grad(
 ) -> torch.Tensor:
     """Weight gradient as a matrix product with the unfolded input (im2col), a part of the batch at a time.
 
-    The columns ``[batch, in_channels * kernel, out_positions]`` are one depthwise convolution of the input with
-    one-hot kernels (one output channel per input channel and kernel offset), which applies the forward
-    padding, stride and dilation in one node; a 1x1 kernel without padding needs only a strided slice. ONNX
-    Runtime computes the gradient faster this way than from stacked slices of the padded input. The columns are
+    The columns ``[batch, in_channels * kernel, out_positions]`` are built by :func:`_unfold`. They are
     ``kernel`` times the input (9x for 3x3), so where they would exceed :data:`COLUMN_BYTES` the batch is
     unfolded in parts and their products summed.
     """
@@ -192,7 +189,7 @@ def _unfolded_weight_grad(
         for first in range(part_size, batch, part_size):
             part = slice(first, first + part_size)
             grad_weight = grad_weight + _columns_times_grad(unfold(input[part]), grad_output[part])
-    return grad_weight.t().reshape(out_channels, channels, *kernel)
+    return grad_weight.reshape(out_channels, channels, *kernel)
 
 
 COLUMN_BYTES = 64 * 2**20
@@ -207,32 +204,83 @@ def _unfold(
     padding: Sequence[int],
     dilation: Sequence[int],
 ) -> torch.Tensor:
-    """The columns ``[images, channels * taps, out_positions]`` of a convolution's input (im2col)."""
+    """The columns ``[images, channels * taps, out_positions]`` of a convolution's input (im2col).
+
+    A 1x1 kernel without padding needs only a strided slice. Otherwise the columns are one depthwise convolution
+    of the input with one-hot kernels (one output channel per input channel and kernel offset), which applies
+    the forward padding, stride and dilation in one node; ONNX Runtime runs it faster than stacked slices of the
+    padded input. On images of at most :data:`SELECTION_POSITIONS` positions, where that convolution's
+    per-channel cost dominates, the columns are instead one product of the images with a constant 0/1
+    selection matrix (:func:`selection_matrix`); exact for finite inputs (each value times 1.0, plus zeros).
+    """
     batch, channels = images.shape[0], images.shape[1]
     taps = math.prod(kernel)
+    no_adjust = [0] * len(kernel)
+    positions = math.prod(images.shape[2:])
     if taps == 1 and not any(padding):
         columns = images[(slice(None), slice(None), *(slice(0, s * (o - 1) + 1, s) for s, o in zip(stride, out)))]
+    elif isinstance(positions, int) and positions <= SELECTION_POSITIONS and images.dtype.is_floating_point:
+        selection = selection_matrix(images, kernel, stride, padding, dilation)
+        columns = images.reshape(-1, positions) @ selection
     else:
         one_hot = torch.eye(taps, dtype=images.dtype, device=images.device).reshape(taps, 1, *kernel)
         one_hot = one_hot.repeat(channels, *([1] * (1 + len(kernel))))
-        columns = aten.convolution(images, one_hot, None, stride, padding, dilation, False, [0] * len(kernel), channels)
+        columns = aten.convolution(images, one_hot, None, stride, padding, dilation, False, no_adjust, channels)
     return columns.reshape(batch, channels * taps, math.prod(out))
 
 
-def _columns_times_grad(columns: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """``sum over images of columns @ grad_output^T``: the weight gradient ``[channels * taps, out_channels]``.
+SELECTION_POSITIONS = 16
+"""Largest image (in positions, 4x4 in 2-D) that :func:`_unfold` unfolds by a product with a selection matrix."""
 
-    Where an image has fewer output positions than the layer has output channels (deep, low-resolution
-    layers), the per-image products ``[images, channels * taps, out_channels]`` would be larger than the
-    columns, so images and positions become one contraction instead, whose transposed copy of the columns is
-    smaller.
+
+def selection_matrix(
+    images: torch.Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> torch.Tensor:
+    """The 0/1 matrix ``[positions, taps * out_positions]`` that maps an image to its columns.
+
+    Entry ``(q, (t, p))`` is 1 where input position ``q`` is kernel offset ``t`` of output position ``p``: the
+    one-hot convolution of :func:`_unfold` applied to every unit image, a constant of the shapes alone.
+
+    Example:
+        >>> x = torch.randn(2, 3, 4, 4)
+        >>> s = selection_matrix(x, [3, 3], [1, 1], [1, 1], [1, 1])
+        >>> cols = (x.reshape(6, 16) @ s).reshape(2, 27, 16)
+        >>> torch.equal(cols, torch.nn.functional.unfold(x, 3, padding=1))
+        True
+    """
+    size = images.shape[2:]
+    positions, taps = math.prod(size), math.prod(kernel)
+    units = torch.eye(positions, dtype=images.dtype, device=images.device).reshape(positions, 1, *size)
+    one_hot = torch.eye(taps, dtype=images.dtype, device=images.device).reshape(taps, 1, *kernel)
+    selected = aten.convolution(units, one_hot, None, stride, padding, dilation, False, [0] * len(kernel), 1)
+    return selected.reshape(positions, -1)
+
+
+def _columns_times_grad(columns: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``sum over images of grad_output @ columns^T``: the weight gradient ``[out_channels, channels * taps]``.
+
+    Image by image, the product is taken as ``columns @ grad_output^T``, which transposes the smaller operand
+    (the output gradient, not the kernel-times-larger columns), and its sum transposed. Where an image has fewer
+    output positions than the layer has output channels (deep, low-resolution layers), the per-image products
+    would be larger than the columns, so images and positions become one contraction instead, whose transposed
+    copy of the columns is smaller; that product is taken in the order whose result needs no transposing where
+    the contraction is no longer than the output channels (the ``[rows, out_channels]`` transpose would cost
+    more than the packing of the larger operand).
     """
     batch, rows, positions = columns.shape
-    grad = grad_output.reshape(batch, grad_output.shape[1], positions)
-    if positions < grad.shape[1]:
-        return columns.transpose(0, 1).reshape(rows, -1) @ grad.transpose(0, 1).reshape(grad.shape[1], -1).t()
-    # columns @ grad^T transposes the smaller operand (the output gradient, not the kernel-times-larger columns).
-    return (columns @ grad.transpose(1, 2)).sum(0)
+    out_channels = grad_output.shape[1]
+    grad = grad_output.reshape(batch, out_channels, positions)
+    if positions < out_channels:
+        columns_rows = columns.transpose(0, 1).reshape(rows, -1)
+        grad_rows = grad.transpose(0, 1).reshape(out_channels, -1)
+        if batch * positions <= out_channels:
+            return grad_rows @ columns_rows.t()
+        return (columns_rows @ grad_rows.t()).t()
+    return (columns @ grad.transpose(1, 2)).sum(0).t()
 
 
 def batch_norm_functional(

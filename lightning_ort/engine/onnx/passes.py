@@ -508,7 +508,9 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     ONNX Runtime's ``Transpose`` does the same reorder in one node single-threaded, several times slower (see
     the performance page). A depthwise weight ``[C, 1, kh, kw]``, viewed as ``[1, C, kh * kw, 1]``, takes one
     (``OIHWBo``). The depthwise convolutions of the backward (a depthwise weight gradient is one, whose kernel is
-    the output gradient) take the same path.
+    the output gradient) take the same path. The input gradient's kernel, the forward weight transposed and its
+    taps reversed (:func:`_flipped_kernel`), is blocked from the forward weight directly, without the transpose
+    and the reversal (:func:`_flipped_nchwc`).
 
     Example:
         >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16, 8, 8])
@@ -521,9 +523,12 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     if block <= 1:
         return 0
     values = _values(model.graph)
+    producers = {output: node for node in model.graph.node for output in node.output}
+    initializers_by_name = {init.name: init for init in model.graph.initializer}
     rewritten = 0
     nodes: list[onnx.NodeProto] = []
     initializers: list[onnx.TensorProto] = []
+    replaced: list[onnx.NodeProto] = []
     for node in model.graph.node:
         weight_shape = _nchwc_weight_shape(node, values, block)
         if weight_shape is None:
@@ -533,6 +538,13 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
         prefix = f"{node.name or node.output[0]}_nchwc"
         if in_channels == 1 and out_channels > 1:
             nodes += _depthwise_nchwc(node, weight_shape, prefix, initializers)
+            rewritten += 1
+            continue
+        flipped = _flipped_kernel(node.input[1], weight_shape, producers, initializers_by_name, values)
+        if flipped is not None:
+            source, chain = flipped
+            nodes += _flipped_nchwc(node, source, weight_shape, block, prefix, initializers)
+            replaced += chain
             rewritten += 1
             continue
         split_shape, blocked_shape = f"{prefix}_split_shape", f"{prefix}_weight_shape"
@@ -552,11 +564,120 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
         ]
         rewritten += 1
     if rewritten:
-        _set_nodes(model.graph, nodes)
+        _set_nodes(model.graph, _without_unread(nodes, replaced, model.graph))
         model.graph.initializer.extend(initializers)
         if not any(opset.domain == _NCHWC for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(_NCHWC, 1))
     return rewritten
+
+
+def _flipped_kernel(
+    weight: str,
+    weight_shape: list[int],
+    producers: dict[str, onnx.NodeProto],
+    initializers: dict[str, onnx.TensorProto],
+    values: dict[str, _Value],
+) -> tuple[str, list[onnx.NodeProto]] | None:
+    """The forward weight ``W`` ``[O, I, kh, kw]`` whose transposed, tap-reversed kernel ``weight`` is, with the
+    nodes that compute it, if ``weight`` is the input-gradient kernel of a dense convolution as the
+    decomposition exports it (``Reshape`` to ``[1, O, I, kh, kw]``, ``Transpose`` of ``O`` and ``I``,
+    ``Reshape`` to ``[-1, taps]`` (possibly through other shapes), ``MatMul`` with the exchange matrix,
+    ``Reshape`` to ``[I, O, kh, kw]``).
+    """
+    chain: list[onnx.NodeProto] = []
+
+    def producer(name: str, op_type: str) -> onnx.NodeProto | None:
+        node = producers.get(name)
+        if node is None or node.op_type != op_type or not _in_default_domain(node):
+            return None
+        chain.append(node)
+        return node
+
+    kernel_view = producer(weight, "Reshape")
+    matmul = kernel_view and producer(kernel_view.input[0], "MatMul")
+    if matmul is None:
+        return None
+    name = matmul.input[0]
+    while (view := producer(name, "Reshape")) is not None:
+        name = view.input[0]
+    transpose = producer(name, "Transpose")
+    grouped = transpose and producer(transpose.input[0], "Reshape")
+    if transpose is None or grouped is None:
+        return None
+    name = grouped.input[0]
+    source = values.get(name)
+    out_channels, in_channels, *kernel = weight_shape
+    if source is None or source.static_shape != [in_channels, out_channels, *kernel]:
+        return None
+    taps = math.prod(kernel)
+    exchange = initializers.get(matmul.input[1])
+    if exchange is None or list(exchange.dims) != [taps, taps]:
+        return None
+    if not np.array_equal(numpy_helper.to_array(exchange), np.eye(taps, dtype=np.float32)[::-1]):
+        return None
+    perm = next((list(attr.ints) for attr in transpose.attribute if attr.name == "perm"), None)
+    transposed = values.get(transpose.input[0])
+    if perm != [0, 2, 1, 3, 4] or transposed is None or transposed.static_shape != [1, *source.static_shape]:
+        return None
+    return name, chain
+
+
+def _flipped_nchwc(
+    node: onnx.NodeProto,
+    source: str,
+    weight_shape: list[int],
+    block: int,
+    prefix: str,
+    initializers: list[onnx.TensorProto],
+) -> list[onnx.NodeProto]:
+    """The nodes that run ``node`` (whose kernel is ``source`` ``[O, I, kh, kw]`` transposed and tap-reversed)
+    on NCHWc kernels: two ``ReorderInput`` block ``source``'s output then input channels into
+    ``[O/B, I/B, taps, Bo, Bi]``, and one ``Gather`` of its ``B x B`` tiles swaps the block axes and reverses the
+    taps, giving ``[I/B, O/B, taps reversed, Bo, Bi]``: the ``OIHWBiBo`` layout of the flipped kernel.
+    """
+    in_channels, out_channels, *kernel = weight_shape
+    taps = math.prod(kernel)
+    in_blocks, out_blocks = in_channels // block, out_channels // block
+    tiles = np.arange(out_blocks * in_blocks * taps).reshape(out_blocks, in_blocks, taps)
+    order = tiles.transpose(1, 0, 2)[:, :, ::-1].reshape(-1)
+    names = [f"{prefix}_{name}" for name in ("view", "by_out", "outer", "blocked", "tiles", "flipped", "weight")]
+    view, by_out, outer, blocked, tiles_name, flipped, weight = names
+    shapes = {
+        f"{prefix}_view_shape": [1, out_channels, in_channels * taps, 1],
+        f"{prefix}_outer_shape": [out_blocks, in_channels, taps * block, 1],
+        f"{prefix}_tiles_shape": [out_blocks * in_blocks * taps, block * block],
+        f"{prefix}_weight_shape": weight_shape,
+    }
+    initializers += [numpy_helper.from_array(np.array(shape, np.int64), name) for name, shape in shapes.items()]
+    initializers.append(numpy_helper.from_array(order.astype(np.int64), f"{prefix}_tile_order"))
+    return [
+        helper.make_node("Reshape", [source, f"{prefix}_view_shape"], [view], view),
+        helper.make_node("ReorderInput", [view], [by_out], by_out, domain=_NCHWC),
+        helper.make_node("Reshape", [by_out, f"{prefix}_outer_shape"], [outer], outer),
+        helper.make_node("ReorderInput", [outer], [blocked], blocked, domain=_NCHWC),
+        helper.make_node("Reshape", [blocked, f"{prefix}_tiles_shape"], [tiles_name], tiles_name),
+        helper.make_node("Gather", [tiles_name, f"{prefix}_tile_order"], [flipped], flipped, axis=0),
+        helper.make_node("Reshape", [flipped, f"{prefix}_weight_shape"], [weight], weight),
+        *_blocked_conv(node, weight, prefix, weight_shape),
+    ]
+
+
+def _without_unread(
+    nodes: list[onnx.NodeProto], candidates: list[onnx.NodeProto], graph: onnx.GraphProto
+) -> list[onnx.NodeProto]:
+    """``nodes`` less those of ``candidates`` whose outputs nothing reads any more (in order, so a chain whose
+    last node went unread goes entirely)."""
+    removed: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        kept = [node for node in nodes if id(node) not in removed]
+        read = _read_names(kept, graph) | _subgraph_reads(graph)
+        for node in candidates:
+            if id(node) not in removed and not any(output in read for output in node.output):
+                removed.add(id(node))
+                changed = True
+    return [node for node in nodes if id(node) not in removed]
 
 
 def _depthwise_nchwc(
