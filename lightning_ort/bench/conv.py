@@ -5,8 +5,9 @@ from forward ops (:mod:`lightning_ort.engine.fx.decompositions`). For each 3x3 l
 ``resnet18`` workloads, this study times every form of each gradient in ONNX Runtime's CPU provider, and eager
 PyTorch's own backward (oneDNN), in one process, and checks that each form computes eager's gradient:
 
-* input gradient: ``Conv`` with the flipped kernel (``flipped``, stride 1 only) and ``ConvTranspose``
-  (``transposed``);
+* input gradient: ``Conv`` with the flipped kernel (``flipped``, stride 1 only), ``ConvTranspose``
+  (``transposed``) and, on images of at most 16 positions, the columns ``weight^T @ grad`` for all images in one
+  product folded back by a product with the transposed selection matrix (``selection``);
 * weight gradient: the unfolded input (im2col, by a one-hot depthwise ``Conv``, or on images of at most
   16 positions by a product with a 0/1 selection matrix) times the output gradient image by image, then
   summed (``per_image``); the same as one contraction over images and positions (``contraction``); and one
@@ -70,7 +71,7 @@ LAYERS = (
 )
 """The 3x3 layers of the ``cnn`` and ``resnet18`` workloads (one of each shape)."""
 
-INPUT_FORMS = ("flipped", "transposed")
+INPUT_FORMS = ("flipped", "transposed", "selection")
 WEIGHT_FORMS = ("per_image", "contraction", "swapped")
 
 
@@ -82,10 +83,11 @@ def picked_forms(layer: ConvLayer) -> tuple[str, str]:
         ('flipped', 'contraction')
     """
     positions = layer.out_size**2
-    return (
-        "flipped" if layer.stride == 1 else "transposed",
-        "contraction" if positions < layer.out_channels else "per_image",
-    )
+    if layer.size**2 <= SELECTION_POSITIONS:
+        input_form = "selection"
+    else:
+        input_form = "flipped" if layer.stride == 1 else "transposed"
+    return input_form, "contraction" if positions < layer.out_channels else "per_image"
 
 
 @dataclass
@@ -216,6 +218,35 @@ def _transposed(layer: ConvLayer) -> onnx.ModelProto:
     return _model(layer, [node], ["w", "gy"], {})
 
 
+def _selection_input(layer: ConvLayer) -> onnx.ModelProto | None:
+    if layer.size**2 > SELECTION_POSITIONS:
+        return None
+    image = torch.empty(1, 1, layer.size, layer.size)
+    selection = selection_matrix(image, [3, 3], [layer.stride] * 2, [1, 1], [1, 1]).t().contiguous().numpy()
+    positions = layer.out_size**2
+    nodes = [
+        helper.make_node("Transpose", ["gy"], ["gy_t"], perm=[1, 0, 2, 3]),
+        helper.make_node("Reshape", ["gy_t", "grad_shape"], ["grad"]),
+        helper.make_node("Reshape", ["w", "weight_rows_shape"], ["weight_rows"]),
+        helper.make_node("Transpose", ["weight_rows"], ["weight_cols"], perm=[1, 0]),
+        helper.make_node("MatMul", ["weight_cols", "grad"], ["columns"]),
+        helper.make_node("Reshape", ["columns", "by_image_shape"], ["by_image"]),
+        helper.make_node("Transpose", ["by_image"], ["images_first"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["images_first", "rows_shape"], ["rows"]),
+        helper.make_node("MatMul", ["rows", "selection_t"], ["folded"]),
+        helper.make_node("Reshape", ["folded", "input_shape"], ["out"]),
+    ]
+    shapes = {
+        "grad_shape": [layer.out_channels, -1],
+        "weight_rows_shape": [layer.out_channels, -1],
+        "by_image_shape": [layer.channels * 9, layer.images, positions],
+        "rows_shape": [layer.images * layer.channels, 9 * positions],
+        "input_shape": [layer.images, layer.channels, layer.size, layer.size],
+    }
+    constants = {name: np.array(shape, np.int64) for name, shape in shapes.items()}
+    return _model(layer, nodes, ["w", "gy"], {**constants, "selection_t": selection})
+
+
 def _columns(layer: ConvLayer) -> tuple[list[onnx.NodeProto], dict[str, np.ndarray]]:
     """im2col: ``cols`` ``[images, channels * 9, positions]``, as the decomposition unfolds the input."""
     shape = np.array([layer.images, layer.channels * 9, layer.out_size**2], np.int64)
@@ -300,6 +331,7 @@ def _weight_constants(layer: ConvLayer) -> dict[str, np.ndarray]:
 _FORMS: dict[str, Callable[[ConvLayer], onnx.ModelProto | None]] = {
     "flipped": _flipped,
     "transposed": _transposed,
+    "selection": _selection_input,
     "per_image": _per_image,
     "contraction": _contraction,
     "swapped": _swapped,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import unittest.mock
 from pathlib import Path
 
@@ -77,24 +78,48 @@ def test_weight_gradient_in_batch_parts_matches_aten(
 
 @pytest.mark.parametrize(
     ("size", "kernel", "stride", "padding", "dilation"),
-    [(2, 3, 1, 1, 1), (4, 3, 2, 1, 1), (4, 3, 1, 2, 2), (3, 2, 1, 0, 1), (4, 1, 1, 1, 1), (1, 3, 1, 1, 1)],
+    [
+        ((2, 2), 3, 1, 1, 1),
+        ((4, 4), 3, 2, 1, 1),
+        ((4, 4), 3, 1, 2, 2),
+        ((3, 3), 2, 1, 0, 1),
+        ((4, 4), 1, 1, 1, 1),
+        ((1, 1), 3, 1, 1, 1),
+        ((16,), 3, 2, 1, 1),
+        ((2, 2, 2), 3, 1, 1, 1),
+    ],
 )
-def test_small_images_unfolded_by_a_selection_product_match_aten(
-    size: int, kernel: int, stride: int, padding: int, dilation: int
+def test_small_images_take_selection_products_and_match_aten(
+    size: tuple[int, ...], kernel: int, stride: int, padding: int, dilation: int
 ) -> None:
-    """Images of at most 16 positions take the selection-matrix im2col, in both weight-gradient orders."""
-    assert size * size <= decompositions.SELECTION_POSITIONS
+    """Images of at most 16 positions are unfolded and folded back by selection-matrix products: both gradients,
+    in both weight-gradient orders."""
+    assert math.prod(size) <= decompositions.SELECTION_POSITIONS
     g = torch.Generator().manual_seed(0)
+    dims = len(size)
     for images, out_channels in ((3, 16), (40, 8)):  # the contraction with and without its result transposed
-        x = torch.randn(images, 8, size, size, generator=g, dtype=torch.float64)
-        w = torch.randn(out_channels, 8, kernel, kernel, generator=g, dtype=torch.float64)
-        args = ([stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], 1)
+        x = torch.randn(images, 8, *size, generator=g, dtype=torch.float64)
+        w = torch.randn(out_channels, 8, *([kernel] * dims), generator=g, dtype=torch.float64)
+        args = ([stride] * dims, [padding] * dims, [dilation] * dims, False, [0] * dims, 1)
         gy = torch.randn(aten.convolution(x, w, None, *args).shape, generator=g, dtype=torch.float64)
-        expected = aten.convolution_backward(gy, x, w, None, *args, [False, True, False])[1]
-        torch.testing.assert_close(convolution_backward(gy, x, w, None, *args, [False, True, False])[1], expected)
+        expected = aten.convolution_backward(gy, x, w, [out_channels], *args, [True, True, True])
+        actual = convolution_backward(gy, x, w, [out_channels], *args, [True, True, True])
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e)
 
 
-def test_small_images_are_unfolded_by_a_product_in_the_exported_graph(tmp_path: Path) -> None:
+def test_selection_products_are_for_cpu_only() -> None:
+    # On CUDA a TF32 product would round the values a selection only moves: convolutions stay.
+    x, w, gy = torch.empty(2, 8, 2, 2), torch.empty(16, 8, 3, 3), torch.empty(2, 16, 2, 2)
+    args = (None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
+    for device, convolutions in (("cpu", 0), ("meta", 2)):
+        tensors = [t.to(device) for t in (gy, x, w)]
+        graph = make_fx(lambda *t: convolution_backward(*t, *args))(*tensors).graph
+        on_tensors = [n for n in graph.nodes if n.target is aten.convolution.default and n.args[0].op == "placeholder"]
+        assert len(on_tensors) == convolutions, device  # (the selection matrices are convolutions of constants)
+
+
+def test_small_images_take_products_not_convolutions_in_the_exported_graph(tmp_path: Path) -> None:
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3))
     wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
@@ -102,10 +127,7 @@ def test_small_images_are_unfolded_by_a_product_in_the_exported_graph(tmp_path: 
     wrapped(x).square().sum().backward()
     eager(x).square().sum().backward()
     graph = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph
-    grouped = [
-        n.name for n in graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i > 1 for a in n.attribute)
-    ]
-    assert not grouped, "no one-hot convolution unfolds the images"
+    assert not [n.name for n in graph.node if n.op_type in ("Conv", "ConvTranspose")], "products only"
     constants = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
     selections = [constants[name] for n in graph.node if n.op_type == "MatMul" for name in n.input if name in constants]
     selections = [s for s in selections if s.shape[0] == 16]  # 4x4 images: 16 positions

@@ -89,10 +89,13 @@ def _input_grad(
     """Input gradient: a convolution with the flipped, transposed kernel where the stride is 1, else a transposed one.
 
     ONNX Runtime's CPU ``Conv`` is faster than its ``ConvTranspose`` on 3x3 layers; the two are equal for
-    stride 1 when the transposed padding ``dilation * (kernel - 1) - padding`` is not negative.
+    stride 1 when the transposed padding ``dilation * (kernel - 1) - padding`` is not negative. On CPU, dense
+    layers whose images have at most :data:`SELECTION_POSITIONS` positions take :func:`_folded_input_grad`.
     """
     kernel = weight.shape[2:]
     spatial = len(kernel)
+    if groups == 1 and _selects(input):
+        return _folded_input_grad(grad_output, input, weight, stride, padding, dilation)
     full_padding = [d * (k - 1) - p for k, d, p in zip(kernel, dilation, padding)]
     if all(s == 1 for s in stride) and all(p >= 0 for p in full_padding):
         out_channels, in_per_group = weight.shape[0], weight.shape[1]
@@ -106,6 +109,32 @@ def _input_grad(
         for i in range(spatial)
     ]
     return aten.convolution(grad_output, weight, None, stride, padding, dilation, True, adjust, groups)
+
+
+def _folded_input_grad(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> torch.Tensor:
+    """Input gradient of a dense convolution on small images: the columns ``weight^T @ grad_output`` in one
+    product over all images, folded back onto the image (col2im) by a product with the transposed selection
+    matrix (:func:`selection_matrix`).
+
+    ONNX Runtime's ``ConvTranspose`` multiplies image by image, reading the whole weight for each image's few
+    positions, and its NCHWc ``Conv`` spends most taps of a 3x3 kernel on the padding of a 2x2 image; here the
+    weight is read once.
+    """
+    batch, channels = input.shape[0], input.shape[1]
+    out_channels, kernel = weight.shape[0], weight.shape[2:]
+    taps, out_positions = math.prod(kernel), math.prod(grad_output.shape[2:])
+    grad = grad_output.reshape(batch, out_channels, out_positions).transpose(0, 1).reshape(out_channels, -1)
+    columns = weight.reshape(out_channels, channels * taps).t() @ grad
+    columns = columns.reshape(channels * taps, batch, out_positions).transpose(0, 1)
+    selection = selection_matrix(input, kernel, stride, padding, dilation)
+    return (columns.reshape(batch * channels, taps * out_positions) @ selection.t()).reshape(input.shape)
 
 
 def _reversed_taps(weight: torch.Tensor) -> torch.Tensor:
@@ -209,19 +238,18 @@ def _unfold(
     A 1x1 kernel without padding needs only a strided slice. Otherwise the columns are one depthwise convolution
     of the input with one-hot kernels (one output channel per input channel and kernel offset), which applies
     the forward padding, stride and dilation in one node; ONNX Runtime runs it faster than stacked slices of the
-    padded input. On images of at most :data:`SELECTION_POSITIONS` positions, where that convolution's
+    padded input. On CPU images of at most :data:`SELECTION_POSITIONS` positions, where that convolution's
     per-channel cost dominates, the columns are instead one product of the images with a constant 0/1
     selection matrix (:func:`selection_matrix`); exact for finite inputs (each value times 1.0, plus zeros).
     """
     batch, channels = images.shape[0], images.shape[1]
     taps = math.prod(kernel)
     no_adjust = [0] * len(kernel)
-    positions = math.prod(images.shape[2:])
     if taps == 1 and not any(padding):
         columns = images[(slice(None), slice(None), *(slice(0, s * (o - 1) + 1, s) for s, o in zip(stride, out)))]
-    elif isinstance(positions, int) and positions <= SELECTION_POSITIONS and images.dtype.is_floating_point:
+    elif _selects(images):
         selection = selection_matrix(images, kernel, stride, padding, dilation)
-        columns = images.reshape(-1, positions) @ selection
+        columns = images.reshape(batch * channels, -1) @ selection
     else:
         one_hot = torch.eye(taps, dtype=images.dtype, device=images.device).reshape(taps, 1, *kernel)
         one_hot = one_hot.repeat(channels, *([1] * (1 + len(kernel))))
@@ -230,7 +258,21 @@ def _unfold(
 
 
 SELECTION_POSITIONS = 16
-"""Largest image (in positions, 4x4 in 2-D) that :func:`_unfold` unfolds by a product with a selection matrix."""
+"""Largest image (in positions, 4x4 in 2-D) whose columns are taken (:func:`_unfold`) and folded back
+(:func:`_folded_input_grad`) by a product with a selection matrix."""
+
+
+def _selects(images: torch.Tensor) -> bool:
+    """Whether a convolution's columns of ``images`` go through a selection-matrix product: CPU float32 or
+    float64 images of at most :data:`SELECTION_POSITIONS` static positions. Not on CUDA, where a TF32 product
+    would round the values it only moves."""
+    positions = math.prod(images.shape[2:])
+    return (
+        images.device.type == "cpu"
+        and images.dtype in (torch.float32, torch.float64)
+        and isinstance(positions, int)
+        and positions <= SELECTION_POSITIONS
+    )
 
 
 def selection_matrix(
