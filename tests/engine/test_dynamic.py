@@ -136,13 +136,13 @@ def test_symbolic_graph_that_cannot_be_exported_gets_one_graph_per_shape(
     real_export = build_module.export_graph
 
     def no_symbolic_export(
-        gm: torch.fx.GraphModule, example_inputs: Any, name: str, verbose: bool, saved_from: int | None = None
+        gm: torch.fx.GraphModule, example_inputs: Any, name: str, verbose: bool, views_from: int | None = None
     ) -> Any:
         if any(
             isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape) for v in example_inputs
         ):
             raise ExportError("simulated: this graph cannot be exported with symbolic sizes")
-        return real_export(gm, example_inputs, name, verbose, saved_from)
+        return real_export(gm, example_inputs, name, verbose, views_from)
 
     monkeypatch.setattr(build_module, "export_graph", no_symbolic_export)
     torch.manual_seed(0)

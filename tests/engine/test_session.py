@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import lightning_ort.engine.runtime.session as session_module
 from lightning_ort import ORTModule, SessionSettings
 from lightning_ort.engine.fx.dynamic import evaluate
-from lightning_ort.engine.fx.layout import OutputLayout, PassedInput, ReshapedOutput
+from lightning_ort.engine.fx.layout import OutputLayout, PassedInput, ReshapedOutput, normalise_outputs
 from lightning_ort.engine.fx.noise import Noise
 from lightning_ort.engine.onnx.export import ExportedGraph
 from tests.zoo import MLP
@@ -152,6 +153,38 @@ def test_passed_through_inputs_come_back_detached_and_unchanged() -> None:
     assert not passed.requires_grad and not reshaped.requires_grad
     assert passed.data_ptr() == reshaped.data_ptr() == weight.data_ptr()
     assert reshaped.shape == (12,)
+
+
+def test_gradients_that_reshape_a_product_come_back_as_views() -> None:
+    # A convolution's weight gradient is a product reshaped to the weight's shape; ONNX Runtime cannot alias a
+    # graph output, so returning the reshape would copy every weight gradient once more.
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 3))
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(3, 8, 6, 6)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    backward = next(runner._graph for kind, runner in wrapped._backend.runners() if kind == "backward")
+    assert sum(isinstance(s, ReshapedOutput) for s in backward.layout.sources) == 2, backward.layout.sources
+    producers = {output: node.op_type for node in backward.model.graph.node for output in node.output}
+    assert "Reshape" not in {producers[output.name] for output in backward.model.graph.output}
+    _assert_grads_match(wrapped, eager)
+    pointers = [param.grad.data_ptr() for param in wrapped.module.parameters()]
+    assert len(set(pointers)) == len(pointers)
+
+
+def test_views_of_one_base_are_returned_as_tensors_of_their_own() -> None:
+    # Two gradients viewing one buffer would each see the other's in-place updates (clipping, zero_grad).
+    def shared(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, c = a * 2, a * 3
+        return b.view(4), b.view(2, 2), c.view(4)
+
+    gm = make_fx(shared)(torch.randn(2, 2))
+    layout, specs = normalise_outputs(gm, 0)
+    first, second, third = layout.sources
+    assert isinstance(first, int) and isinstance(second, int) and first != second
+    assert isinstance(third, ReshapedOutput)
+    assert [spec.shape for spec in specs] == [(4,), (2, 2), (2, 2)]
 
 
 def _forward_graph(wrapped: ORTModule) -> ExportedGraph:

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.capture.blocks import BlockGraphs, has_blocks, inline_blocks
 from lightning_ort.engine.capture.build import (
-    SAVED_FROM,
+    VIEWS_FROM,
     BuildLog,
     BuildOptions,
     GraphBuilder,
@@ -281,7 +281,8 @@ def _partition(
     saved_from = kwargs["num_fwd_outputs"]
     moved = move_saved_permutes(forward, backward, saved_from)
     log.debug("%d saved permuted views moved to the backward graph", moved)
-    forward.meta[SAVED_FROM] = saved_from
+    forward.meta[VIEWS_FROM] = saved_from
+    backward.meta[VIEWS_FROM] = 0
     return forward, backward
 
 

@@ -353,7 +353,7 @@ class GraphBuilder:
     ) -> ExportedGraph:
         """Export ``gm``; save it in the disk cache under ``key`` when there is one."""
         verbose = LogLevel(self._options.debug.log_level).ort_severity == 0
-        graph = self._translate_to_onnx(gm, example_inputs, name, verbose, saved_from=gm.meta.get(SAVED_FROM))
+        graph = self._translate_to_onnx(gm, example_inputs, name, verbose, views_from=gm.meta.get(VIEWS_FROM))
         self._build_log.add(onnx_exports=1)
         if key is not None and self._options.disk_cache is not None:
             self._options.disk_cache.store(key, graph)
@@ -365,11 +365,11 @@ class GraphBuilder:
         example_inputs: Sequence[Any],
         name: str,
         verbose: bool,
-        saved_from: int | None = None,
+        views_from: int | None = None,
     ) -> ExportedGraph:
         with self._build_log.timed("translation_seconds"):
             try:
-                return export_graph(gm, example_inputs, name, verbose, saved_from)
+                return export_graph(gm, example_inputs, name, verbose, views_from)
             except LightningORTError:
                 raise
             except Exception as err:  # our own export code failed: the graph runs in PyTorch, not a crash
@@ -422,8 +422,9 @@ _BISECTED: dict[type[Exception], str] = {
 }
 """Fallback reasons of the nodes :meth:`GraphBuilder._bisect_failing_node` found, by the error that started it."""
 
-SAVED_FROM = "lightning_ort_saved_from"
-"""``GraphModule.meta`` key: index of the forward graph's first output that only the backward graph reads."""
+VIEWS_FROM = "lightning_ort_views_from"
+"""``GraphModule.meta`` key: index of the graph's first output that may be returned as a view (see
+:func:`~lightning_ort.engine.onnx.export.export_graph`)."""
 
 
 def op_count(gm: torch.fx.GraphModule) -> int:

@@ -80,13 +80,21 @@ class OutputSpec:
     dtype: torch.dtype
 
 
-def normalise_outputs(gm: torch.fx.GraphModule, saved_from: int | None) -> tuple[OutputLayout, list[OutputSpec]]:
+def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple[OutputLayout, list[OutputSpec]]:
+    """Keep ``gm``'s tensor outputs ONNX Runtime must compute, once each, and say where every output comes from.
+
+    Outputs from index ``views_from`` on that reshape another value are returned as views of it (see
+    :class:`ReshapedOutput`) where nothing else returns that value or another view of it: two gradients sharing
+    one buffer would each see the other's in-place updates.
+    """
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = output_node.args[0]
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     computed = [v for v in values if isinstance(v, torch.fx.Node) and v.op != "placeholder"]
-    user_visible = set(values[:saved_from] if saved_from is not None else values)
+    own_tensor = set(values[:views_from] if views_from is not None else values)
+    bases = [_reshape_base(v) if isinstance(v, torch.fx.Node) else None for v in values]
+    returned = set(own_tensor) | {base for base in bases if base is not None and bases.count(base) > 1}
     unique: list[torch.fx.Node] = []
 
     def tensor_source(node: torch.fx.Node) -> int | PassedInput:
@@ -97,7 +105,7 @@ def normalise_outputs(gm: torch.fx.GraphModule, saved_from: int | None) -> tuple
         return unique.index(node)
 
     sources: list[Source] = []
-    for value in values:
+    for value, base in zip(values, bases):
         if value is None:
             sources.append(None)
             continue
@@ -111,8 +119,7 @@ def normalise_outputs(gm: torch.fx.GraphModule, saved_from: int | None) -> tuple
         if isinstance(value.meta.get("val"), torch.SymInt):
             sources.append(sympy.sympify(symbolic_size(value.meta["val"])))
             continue
-        base = _reshape_base(value)
-        if value not in user_visible and base is not None and base not in user_visible:
+        if value not in own_tensor and base is not None and base not in returned:
             sources.append(ReshapedOutput(tensor_source(base), symbolic_shape(value.meta["val"].shape)))
             continue
         sources.append(tensor_source(value))

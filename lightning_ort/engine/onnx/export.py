@@ -81,7 +81,7 @@ def export_graph(
     example_inputs: Sequence[torch.Tensor],
     name: str,
     verbose: bool,
-    saved_from: int | None = None,
+    views_from: int | None = None,
 ) -> ExportedGraph:
     """Export ``gm`` (an ATen-level FX graph with static shapes) to ONNX.
 
@@ -90,8 +90,9 @@ def export_graph(
         example_inputs: one (fake or real) tensor per placeholder.
         name: graph name used in messages and file names (``"forward"``, ``"backward"``...).
         verbose: let ``torch.onnx`` print its progress.
-        saved_from: index of the first output that only the backward graph reads (a forward graph's saved
-            tensors); those may be returned as views. ``None``: every output reaches the user.
+        views_from: index of the first output that may be returned as a view of another value: a forward
+            graph's saved tensors, which only the backward graph reads, or 0 for a backward graph, whose
+            gradients autograd takes. ``None``: every output reaches the user as a tensor of its own.
     """
     gm = copy_graph_module(gm)
     symbolic = any(is_symbolic(value) for value in example_inputs)
@@ -104,7 +105,7 @@ def export_graph(
         tensor_inputs.append(carrier)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         noise, noise_examples = lift_random_ops(gm, device)
-    layout, outputs = normalise_outputs(gm, saved_from)
+    layout, outputs = normalise_outputs(gm, views_from)
     gm.recompile()
     inputs: tuple[Any, ...] = (*tensor_inputs, *noise_examples)
     dynamic_shapes = None
