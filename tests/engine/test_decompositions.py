@@ -84,6 +84,7 @@ def test_weight_gradient_in_batch_parts_matches_aten(
         ((4, 4), 3, 1, 2, 2),
         ((3, 3), 2, 1, 0, 1),
         ((4, 4), 1, 1, 1, 1),
+        ((2, 2), 1, 1, 0, 1),  # pointwise: its input gradient stays a flipped (1x1) convolution
         ((1, 1), 3, 1, 1, 1),
         ((16,), 3, 2, 1, 1),
         ((2, 2, 2), 3, 1, 1, 1),

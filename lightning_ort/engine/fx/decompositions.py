@@ -90,11 +90,14 @@ def _input_grad(
 
     ONNX Runtime's CPU ``Conv`` is faster than its ``ConvTranspose`` on 3x3 layers; the two are equal for
     stride 1 when the transposed padding ``dilation * (kernel - 1) - padding`` is not negative. On CPU, dense
-    layers whose images have at most :data:`SELECTION_POSITIONS` positions take :func:`_folded_input_grad`.
+    layers whose images have at most :data:`SELECTION_POSITIONS` positions take :func:`_folded_input_grad`,
+    but for a pointwise (1x1, stride 1, unpadded) one, whose flipped convolution is already one product per
+    position.
     """
     kernel = weight.shape[2:]
     spatial = len(kernel)
-    if groups == 1 and _selects(input):
+    pointwise = math.prod(kernel) == 1 and all(s == 1 for s in stride) and not any(padding)
+    if groups == 1 and not pointwise and _selects(input):
         return _folded_input_grad(grad_output, input, weight, stride, padding, dilation)
     full_padding = [d * (k - 1) - p for k, d, p in zip(kernel, dilation, padding)]
     if all(s == 1 for s in stride) and all(p >= 0 for p in full_padding):
