@@ -362,7 +362,7 @@ def batch_norm_functional(
     var = (centred * centred).mean(dims)
     output = aten._native_batch_norm_legit_no_training.default(input, weight, bias, mean, var, momentum, eps)[0]
     new_running_mean = momentum * mean + (1 - momentum) * running_mean
-    new_running_var = momentum * var * (count / max(count - 1, 1)) + (1 - momentum) * running_var
+    new_running_var = var * (momentum * count / max(count - 1, 1)) + (1 - momentum) * running_var
     return output, mean, torch.rsqrt(var + eps), new_running_mean, new_running_var
 
 
@@ -381,9 +381,10 @@ def batch_norm_backward(
     """Training-mode batch norm's gradients with one full-size node fewer than ATen's decomposition.
 
     ``grad_input = (g - mean(g) - (x - mean) * k) * a`` (``a = weight * rstd``, ``k = sum(g * (x - mean)) *
-    rstd^2 / count``) is written as ``g * a`` plus the per-channel affine map of ``x - mean`` that ONNX
-    ``BatchNormalization`` computes in one pass. Like PyTorch's kernels it works on the centred input, which the
-    forward graph already computed for the variance (and which is saved in place of the input).
+    rstd^2 / count``) is written as ``g * a`` less the per-channel affine map of ``x - mean`` that ONNX
+    ``BatchNormalization`` computes in one pass (a difference, so the per-channel terms need no negation).
+    Like PyTorch's kernels it works on the centred input, which the forward graph already computed for the
+    variance (and which is saved in place of the input).
 
     Example:
         >>> g, x, w = torch.randn(8, 3, 5, 5), torch.randn(8, 3, 5, 5), torch.rand(3)
@@ -405,12 +406,12 @@ def batch_norm_backward(
     grad_input = None
     if output_mask[0]:
         scale = save_invstd if weight is None else save_invstd * weight
-        projection = -(dot * save_invstd * save_invstd / count) * scale
+        projection = dot * save_invstd * save_invstd / count * scale
         zeros, ones = torch.zeros_like(grad_sum), torch.ones_like(grad_sum)
         affine = aten._native_batch_norm_legit_no_training.default(
-            centred, projection, -(grad_sum / count) * scale, zeros, ones, 0.0, 0.0
+            centred, projection, grad_sum / count * scale, zeros, ones, 0.0, 0.0
         )[0]
-        grad_input = grad_output * scale.reshape(per_channel) + affine
+        grad_input = grad_output * scale.reshape(per_channel) - affine
     grad_weight = dot * save_invstd if output_mask[1] else None
     grad_bias = grad_sum if output_mask[2] else None
     return grad_input, grad_weight, grad_bias
