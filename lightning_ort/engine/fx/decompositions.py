@@ -8,7 +8,8 @@ Core ATen decompositions, plus:
   input that the backward reuses);
 * ``aten.convolution_backward`` (no ONNX translation) as a convolution with the flipped kernel (stride 1) or a
   transposed convolution for the input gradient, an im2col matrix product for the weight gradient and a sum
-  for the bias gradient;
+  for the bias gradient; on small CPU images, products with a 0/1 selection matrix unfold the input and fold
+  the input gradient back;
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
