@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from typing_extensions import override
 
 from lightning_ort.bench.report import Report
-from lightning_ort.engine.fx.decompositions import SELECTION_POSITIONS, selection_matrix
+from lightning_ort.engine.fx.decompositions import FOLDED_STRIDE_ONE_POSITIONS, SELECTION_POSITIONS, selection_matrix
 from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions
 
 
@@ -83,7 +83,8 @@ def picked_forms(layer: ConvLayer) -> tuple[str, str]:
         ('flipped', 'contraction')
     """
     positions = layer.out_size**2
-    if layer.size**2 <= SELECTION_POSITIONS:
+    small = layer.stride > 1 or layer.size**2 <= FOLDED_STRIDE_ONE_POSITIONS
+    if layer.size**2 <= SELECTION_POSITIONS and small:
         input_form = "selection"
     else:
         input_form = "flipped" if layer.stride == 1 else "transposed"
@@ -189,15 +190,18 @@ def _model(
 def _flipped(layer: ConvLayer) -> onnx.ModelProto | None:
     if layer.stride != 1:
         return None
-    # the taps reversed by a product with the exchange matrix, as the decomposition does on CPU
+    # the kernel transposed and its taps reversed by the exchange matrix, as the decomposition exports it on CPU
+    # (the NCHWc pass then blocks it from the weight directly)
     nodes = [
-        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Reshape", ["w", "grouped_shape"], ["grouped"]),
+        helper.make_node("Transpose", ["grouped"], ["wt"], perm=[0, 2, 1, 3, 4]),
         helper.make_node("Reshape", ["wt", "taps_shape"], ["taps"]),
         helper.make_node("MatMul", ["taps", "exchange"], ["reversed"]),
         helper.make_node("Reshape", ["reversed", "kernel_shape"], ["flipped"]),
         helper.make_node("Conv", ["gy", "flipped"], ["out"], pads=[1, 1, 1, 1]),
     ]
     constants: dict[str, np.ndarray] = {
+        "grouped_shape": np.array([1, layer.out_channels, layer.channels, 3, 3], np.int64),
         "taps_shape": np.array([-1, 9], np.int64),
         "exchange": np.eye(9, dtype=np.float32)[::-1].copy(),
         "kernel_shape": np.array([layer.channels, layer.out_channels, 3, 3], np.int64),

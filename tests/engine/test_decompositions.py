@@ -122,7 +122,10 @@ def test_selection_products_are_for_cpu_only() -> None:
 
 def test_small_images_take_products_not_convolutions_in_the_exported_graph(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3))
+    # 4x4 images into a stride-2 layer, 2x2 ones into a stride-1 layer: both gradients of both are products
+    eager = torch.nn.Sequential(
+        torch.nn.Conv2d(8, 16, 3, stride=2, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3, padding=1)
+    )
     wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
     x = torch.randn(6, 8, 4, 4)
     wrapped(x).square().sum().backward()
@@ -130,10 +133,10 @@ def test_small_images_take_products_not_convolutions_in_the_exported_graph(tmp_p
     graph = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph
     assert not [n.name for n in graph.node if n.op_type in ("Conv", "ConvTranspose")], "products only"
     constants = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
-    selections = [constants[name] for n in graph.node if n.op_type == "MatMul" for name in n.input if name in constants]
-    selections = [s for s in selections if s.shape[0] == 16]  # 4x4 images: 16 positions
-    assert sorted(s.shape for s in selections) == [(16, 36), (16, 144)], "one 0/1 matrix per layer (2x2, 4x4 out)"
-    assert all(set(s.ravel().tolist()) == {0.0, 1.0} for s in selections)
+    products = [constants[name] for n in graph.node if "MatMul" in n.op_type for name in n.input if name in constants]
+    selections = {s.shape for s in products if s.size > 1 and set(s.ravel().tolist()) == {0.0, 1.0}}
+    # unfolding 4x4 -> 2x2 and 2x2 -> 2x2 (positions x taps * outputs), and folding 2x2 back (its transpose)
+    assert selections == {(16, 36), (4, 36), (36, 4)}, selections
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
 

@@ -91,14 +91,17 @@ def _input_grad(
 
     ONNX Runtime's CPU ``Conv`` is faster than its ``ConvTranspose`` on 3x3 layers; the two are equal for
     stride 1 when the transposed padding ``dilation * (kernel - 1) - padding`` is not negative. On CPU, dense
-    layers whose images have at most :data:`SELECTION_POSITIONS` positions take :func:`_folded_input_grad`,
-    but for a pointwise (1x1, stride 1, unpadded) one, whose flipped convolution is already one product per
-    position.
+    strided layers whose images have at most :data:`SELECTION_POSITIONS` positions take
+    :func:`_folded_input_grad`, and so do stride-1 layers on images of at most :data:`FOLDED_STRIDE_ONE_POSITIONS`
+    (larger ones run the flipped convolution faster on the NCHWc kernels), but for pointwise (1x1, unpadded)
+    ones, whose flipped convolution is already one product per position.
     """
     kernel = weight.shape[2:]
     spatial = len(kernel)
-    pointwise = math.prod(kernel) == 1 and all(s == 1 for s in stride) and not any(padding)
-    if groups == 1 and not pointwise and _selects(input):
+    strided = any(s > 1 for s in stride)
+    pointwise = math.prod(kernel) == 1 and not strided and not any(padding)
+    small = strided or math.prod(input.shape[2:]) <= FOLDED_STRIDE_ONE_POSITIONS
+    if groups == 1 and not pointwise and small and _selects(input):
         return _folded_input_grad(grad_output, input, weight, stride, padding, dilation)
     full_padding = [d * (k - 1) - p for k, d, p in zip(kernel, dilation, padding)]
     if all(s == 1 for s in stride) and all(p >= 0 for p in full_padding):
@@ -264,6 +267,10 @@ def _unfold(
 SELECTION_POSITIONS = 16
 """Largest image (in positions, 4x4 in 2-D) whose columns are taken (:func:`_unfold`) and folded back
 (:func:`_folded_input_grad`) by a product with a selection matrix."""
+
+FOLDED_STRIDE_ONE_POSITIONS = 4
+"""Largest image (2x2 in 2-D) whose stride-1 input gradient is folded back by the selection matrix rather than
+computed by the flipped convolution, which wastes most of a 3x3 kernel's taps on a 2x2 image's padding."""
 
 
 def _selects(images: torch.Tensor) -> bool:

@@ -606,8 +606,8 @@ def _flipped_kernel(
         return None
     name = grouped.input[0]
     source = values.get(name)
-    out_channels, in_channels, *kernel = weight_shape
-    if source is None or source.static_shape != [in_channels, out_channels, *kernel]:
+    flipped_out, flipped_in, *kernel = weight_shape
+    if source is None or source.static_shape != [flipped_in, flipped_out, *kernel]:
         return None
     taps = math.prod(kernel)
     exchange = initializers.get(matmul.input[1])
@@ -635,7 +635,7 @@ def _flipped_nchwc(
     ``[O/B, I/B, taps, Bo, Bi]``, and one ``Gather`` of its ``B x B`` tiles swaps the block axes and reverses the
     taps, giving ``[I/B, O/B, taps reversed, Bo, Bi]``: the ``OIHWBiBo`` layout of the flipped kernel.
     """
-    in_channels, out_channels, *kernel = weight_shape
+    in_channels, out_channels, *kernel = weight_shape  # the forward convolution's I and O: the kernel is [I, O, ...]
     taps = math.prod(kernel)
     in_blocks, out_blocks = in_channels // block, out_channels // block
     tiles = np.arange(out_blocks * in_blocks * taps).reshape(out_blocks, in_blocks, taps)
