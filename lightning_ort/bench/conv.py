@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 from typing_extensions import override
 
 from lightning_ort.bench.report import Report
-from lightning_ort.engine.fx.decompositions import FOLDED_STRIDE_ONE_POSITIONS, SELECTION_POSITIONS, selection_matrix
+from lightning_ort.engine.fx.decompositions import SELECTION_POSITIONS, folds_input_gradient, selection_matrix
 from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions
 
 
@@ -83,8 +83,7 @@ def picked_forms(layer: ConvLayer) -> tuple[str, str]:
         ('flipped', 'contraction')
     """
     positions = layer.out_size**2
-    small = layer.stride > 1 or layer.size**2 <= FOLDED_STRIDE_ONE_POSITIONS
-    if layer.size**2 <= SELECTION_POSITIONS and small:
+    if folds_input_gradient([layer.size] * 2, strided=layer.stride > 1):
         input_form = "selection"
     else:
         input_form = "flipped" if layer.stride == 1 else "transposed"
@@ -222,11 +221,16 @@ def _transposed(layer: ConvLayer) -> onnx.ModelProto:
     return _model(layer, [node], ["w", "gy"], {})
 
 
+def _selection(layer: ConvLayer) -> np.ndarray:
+    """The layer's selection matrix ``[positions, 9 * out_positions]`` (:func:`selection_matrix`)."""
+    image = torch.empty(1, 1, layer.size, layer.size)
+    return selection_matrix(image, [3, 3], [layer.stride] * 2, [1, 1], [1, 1]).numpy()
+
+
 def _selection_input(layer: ConvLayer) -> onnx.ModelProto | None:
     if layer.size**2 > SELECTION_POSITIONS:
         return None
-    image = torch.empty(1, 1, layer.size, layer.size)
-    selection = selection_matrix(image, [3, 3], [layer.stride] * 2, [1, 1], [1, 1]).t().contiguous().numpy()
+    selection = _selection(layer).T.copy()
     positions = layer.out_size**2
     nodes = [
         helper.make_node("Transpose", ["gy"], ["gy_t"], perm=[1, 0, 2, 3]),
@@ -255,8 +259,7 @@ def _columns(layer: ConvLayer) -> tuple[list[onnx.NodeProto], dict[str, np.ndarr
     """im2col: ``cols`` ``[images, channels * 9, positions]``, as the decomposition unfolds the input."""
     shape = np.array([layer.images, layer.channels * 9, layer.out_size**2], np.int64)
     if layer.size**2 <= SELECTION_POSITIONS:
-        image = torch.empty(1, 1, layer.size, layer.size)
-        selection = selection_matrix(image, [3, 3], [layer.stride] * 2, [1, 1], [1, 1]).numpy()
+        selection = _selection(layer)
         nodes = [
             helper.make_node("Reshape", ["x", "images_shape"], ["images"]),
             helper.make_node("MatMul", ["images", "selection"], ["unfolded"]),

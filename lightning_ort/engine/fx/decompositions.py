@@ -100,8 +100,7 @@ def _input_grad(
     spatial = len(kernel)
     strided = any(s > 1 for s in stride)
     pointwise = math.prod(kernel) == 1 and not strided and not any(padding)
-    small = strided or math.prod(input.shape[2:]) <= FOLDED_STRIDE_ONE_POSITIONS
-    if groups == 1 and not pointwise and small and _selects(input):
+    if groups == 1 and not pointwise and _selects(input) and folds_input_gradient(input.shape[2:], strided):
         return _folded_input_grad(grad_output, input, weight, stride, padding, dilation)
     full_padding = [d * (k - 1) - p for k, d, p in zip(kernel, dilation, padding)]
     if all(s == 1 for s in stride) and all(p >= 0 for p in full_padding):
@@ -271,6 +270,18 @@ SELECTION_POSITIONS = 16
 FOLDED_STRIDE_ONE_POSITIONS = 4
 """Largest image (2x2 in 2-D) whose stride-1 input gradient is folded back by the selection matrix rather than
 computed by the flipped convolution, which wastes most of a 3x3 kernel's taps on a 2x2 image's padding."""
+
+
+def folds_input_gradient(size: Sequence[int], strided: bool) -> bool:
+    """Whether a dense convolution's input gradient on CPU images of ``size`` is folded back by the selection
+    matrix (:func:`_folded_input_grad`) rather than computed by a (flipped or transposed) convolution.
+
+    Example:
+        >>> folds_input_gradient([4, 4], strided=True), folds_input_gradient([4, 4], strided=False)
+        (True, False)
+    """
+    positions = math.prod(size)
+    return positions <= SELECTION_POSITIONS and (strided or positions <= FOLDED_STRIDE_ONE_POSITIONS)
 
 
 def _selects(images: torch.Tensor) -> bool:

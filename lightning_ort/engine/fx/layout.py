@@ -8,6 +8,7 @@ after a run: ONNX outputs, inputs passed through, views of either, and size expr
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -94,7 +95,8 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
     computed = [v for v in values if isinstance(v, torch.fx.Node) and v.op != "placeholder"]
     own_tensor = set(values[:views_from] if views_from is not None else values)
     bases = [_reshape_base(v) if isinstance(v, torch.fx.Node) else None for v in values]
-    returned = set(own_tensor) | {base for base in bases if base is not None and bases.count(base) > 1}
+    shared = Counter(base for base in bases if base is not None)
+    returned = set(own_tensor) | {base for base, views in shared.items() if views > 1}
     unique: list[torch.fx.Node] = []
 
     def tensor_source(node: torch.fx.Node) -> int | PassedInput:

@@ -665,18 +665,19 @@ def _flipped_nchwc(
 def _without_unread(
     nodes: list[onnx.NodeProto], candidates: list[onnx.NodeProto], graph: onnx.GraphProto
 ) -> list[onnx.NodeProto]:
-    """``nodes`` less those of ``candidates`` whose outputs nothing reads any more (in order, so a chain whose
-    last node went unread goes entirely)."""
+    """``nodes`` less those of ``candidates`` whose outputs nothing reads any more.
+
+    ``candidates`` come consumer first (as :func:`_flipped_kernel` walks a chain back from its end), so one pass
+    that forgets each removed node's reads takes a whole chain whose last node went unread.
+    """
+    reads = Counter(name for node in nodes for name in node.input)
+    reads.update(output.name for output in graph.output)
+    reads.update(_subgraph_reads(graph))
     removed: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
-        kept = [node for node in nodes if id(node) not in removed]
-        read = _read_names(kept, graph) | _subgraph_reads(graph)
-        for node in candidates:
-            if id(node) not in removed and not any(output in read for output in node.output):
-                removed.add(id(node))
-                changed = True
+    for node in candidates:
+        if id(node) not in removed and not any(reads[output] > 0 for output in node.output):
+            removed.add(id(node))
+            reads.subtract(node.input)
     return [node for node in nodes if id(node) not in removed]
 
 
