@@ -33,6 +33,11 @@ AttentionPath = Literal["onnx", "torch"]
 
 ATTENTION_PATHS: tuple[AttentionPath, ...] = ("onnx", "torch")
 
+ConvWeightGrad = Literal["auto", "onnx", "torch"]
+"""Where a convolution's weight gradient is computed: chosen per layer, in the ONNX graphs, or by PyTorch's kernel."""
+
+CONV_WEIGHT_GRADS: tuple[ConvWeightGrad, ...] = ("auto", "onnx", "torch")
+
 Fallback = Literal["auto", "raise"]
 """What ORTModule does with ops ONNX cannot express: run them in PyTorch (``"auto"``) or fail (``"raise"``)."""
 
@@ -359,6 +364,7 @@ class ModuleOptions:
     blocks: tuple[BlockSpec, ...] | Literal["auto"] | None = None
     dynamic_axes: dict[str, tuple[int, ...]] | None = None
     attention: AttentionPath = "onnx"
+    conv_weight_grad: ConvWeightGrad = "auto"
 
     @classmethod
     def checked(
@@ -371,12 +377,13 @@ class ModuleOptions:
         blocks: Sequence[BlockSpec] | str | None = None,
         dynamic_axes: Mapping[str, Sequence[int] | int] | None = None,
         attention: str = "onnx",
+        conv_weight_grad: str = "auto",
     ) -> ModuleOptions:
         """The options, each checked and in one form.
 
         Raises:
             TypeError: an option of the wrong type (the error names it and what it takes).
-            ValueError: an unknown fallback or attention path, an axis that is not an integer, or
+            ValueError: an unknown fallback, attention path or ``conv_weight_grad``, an axis that is not an integer, or
                 ``dynamic=False`` with ``dynamic_axes``.
         """
         if debug_options is not None and not isinstance(debug_options, DebugOptions):
@@ -396,6 +403,7 @@ class ModuleOptions:
             _block_specs(blocks),
             _axes(dynamic_axes, dynamic),
             parse_attention(attention),
+            parse_conv_weight_grad(conv_weight_grad),
         )
 
 
@@ -419,6 +427,29 @@ def parse_attention(value: str) -> AttentionPath:
     raise ValueError(
         f"attention={value!r} is not one of {allowed}: 'onnx' (default) exports attention's math into the graphs, "
         "'torch' keeps F.scaled_dot_product_attention as PyTorch's fused kernels."
+    )
+
+
+def parse_conv_weight_grad(value: str) -> ConvWeightGrad:
+    """``value`` as a :data:`ConvWeightGrad`.
+
+    Raises:
+        TypeError: ``value`` is not a string.
+        ValueError: ``value`` is not ``"auto"``, ``"onnx"`` or ``"torch"``.
+
+    Example:
+        >>> parse_conv_weight_grad("torch")
+        'torch'
+    """
+    allowed = ", ".join(map(repr, CONV_WEIGHT_GRADS))
+    if not isinstance(value, str):
+        raise argument_type_error("conv_weight_grad", value, f"one of {allowed}")
+    for choice in CONV_WEIGHT_GRADS:
+        if value == choice:
+            return choice
+    raise ValueError(
+        f"conv_weight_grad={value!r} is not one of {allowed}: 'auto' (default) chooses per layer, 'onnx' computes "
+        "every convolution's weight gradient in the ONNX Runtime graphs, 'torch' in PyTorch's own kernel."
     )
 
 

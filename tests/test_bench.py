@@ -354,6 +354,7 @@ def _backward_nodes(layer: ConvLayer, mask: list[bool]) -> list[torch.fx.Node]:
         output_padding=[0, 0],
         groups=1,
         output_mask=mask,
+        weight_grad_path="auto",
     )
     return [node for node in make_fx(backward)(gy, x, w).graph.nodes if node.op == "call_function"]
 
@@ -363,7 +364,11 @@ def test_conv_study_times_every_form_of_each_gradient_and_marks_the_decompositio
 ) -> None:
     from lightning_ort.bench import conv
 
-    layers = [conv.ConvLayer("cnn", 2, 8, 8, 8, 1), conv.ConvLayer("resnet18", 2, 8, 4, 32, 2)]
+    layers = [
+        conv.ConvLayer("cnn", 2, 8, 8, 8, 1),
+        conv.ConvLayer("cnn", 2, 8, 4, 8, 1),
+        conv.ConvLayer("resnet18", 2, 8, 4, 32, 2),
+    ]
     results = conv.run_conv_study(layers, steps=1)
     for layer, result in zip(layers, results):
         assert result.max_relative_error < 1e-5, "every form computes eager's gradient"
@@ -379,10 +384,14 @@ def test_conv_study_times_every_form_of_each_gradient_and_marks_the_decompositio
             if node.target is torch.ops.aten.convolution.default and node.args[0].op == "placeholder"
         ]
         input_form = ("transposed" if convolutions[0].args[6] else "flipped") if convolutions else "selection"
-        per_image = any(
-            node.target is torch.ops.aten.bmm.default for node in _backward_nodes(layer, [False, True, False])
-        )
-        assert result.picked == (input_form, "per_image" if per_image else "contraction")
+        weight_nodes = _backward_nodes(layer, [True, True, False])
+        if any(node.target is torch.ops.aten.convolution_backward.default for node in weight_nodes):
+            weight_form = conv.TORCH_WEIGHT
+        else:
+            per_image = any(node.target is torch.ops.aten.bmm.default for node in weight_nodes)
+            weight_form = "per_image" if per_image else "contraction"
+        assert result.picked == (input_form, weight_form)
+    assert [result.picked[1] for result in results] == [conv.TORCH_WEIGHT, "per_image", "contraction"]
     with pytest.raises(SystemExit):
         bench.main(["conv", "--device", "meta"])
     assert "CPU kernels" in capsys.readouterr().err

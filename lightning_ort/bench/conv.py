@@ -11,7 +11,9 @@ PyTorch's own backward (oneDNN), in one process, and checks that each form compu
 * weight gradient: the unfolded input (im2col, by a one-hot depthwise ``Conv``, or on images of at most
   16 positions by a product with a 0/1 selection matrix) times the output gradient image by image, then
   summed (``per_image``); the same as one contraction over images and positions (``contraction``); and one
-  ``Conv`` of the input with the output gradient as its kernel, batch and channels swapped (``swapped``).
+  ``Conv`` of the input with the output gradient as its kernel, batch and channels swapped (``swapped``); or
+  PyTorch's own kernel, eager's (``torch``), which ``conv_weight_grad="auto"`` runs after the backward graph on
+  images of more than 16 positions.
 
 The forms ORTModule picks are marked; the decision table is on the performance page.
 """
@@ -32,8 +34,13 @@ from onnx import TensorProto, helper, numpy_helper
 from typing_extensions import override
 
 from lightning_ort.bench.report import Report
-from lightning_ort.engine.fx.decompositions import SELECTION_POSITIONS, folds_input_gradient, selection_matrix
-from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions
+from lightning_ort.engine.fx.decompositions import (
+    SELECTION_POSITIONS,
+    folds_input_gradient,
+    selection_matrix,
+    weight_grad_in_torch,
+)
+from lightning_ort.engine.onnx.passes import drop_unused_initializers, nchwc_block_size, use_nchwc_convolutions
 
 
 @dataclass(frozen=True)
@@ -73,20 +80,28 @@ LAYERS = (
 
 INPUT_FORMS = ("flipped", "transposed", "selection")
 WEIGHT_FORMS = ("per_image", "contraction", "swapped")
+TORCH_WEIGHT = "torch"
+"""The weight-gradient form that is PyTorch's own kernel: eager's weight gradient, run after the backward graph."""
 
 
 def picked_forms(layer: ConvLayer) -> tuple[str, str]:
-    """The input- and weight-gradient forms ORTModule's decomposition uses for ``layer``.
+    """The input- and weight-gradient forms ORTModule uses for ``layer`` under ``conv_weight_grad="auto"``.
 
     Example:
         >>> picked_forms(ConvLayer("cnn", 64, 128, 8, 128, 1))
-        ('flipped', 'contraction')
+        ('flipped', 'torch')
+        >>> picked_forms(ConvLayer("resnet18", 16, 256, 4, 512, 2))
+        ('selection', 'contraction')
     """
     positions = layer.out_size**2
     if folds_input_gradient([layer.size] * 2, strided=layer.stride > 1):
         input_form = "selection"
     else:
         input_form = "flipped" if layer.stride == 1 else "transposed"
+    images = torch.empty(layer.images, layer.channels, layer.size, layer.size)
+    weight = torch.empty(layer.out_channels, layer.channels, 3, 3)
+    if weight_grad_in_torch(images, weight, [1, 1], 1, "auto"):
+        return input_form, TORCH_WEIGHT
     return input_form, "contraction" if positions < layer.out_channels else "per_image"
 
 
@@ -165,6 +180,7 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     """The form as ORTModule runs it: its convolutions on NCHWc kernels where :func:`use_nchwc_convolutions` can."""
     model = onnx.shape_inference.infer_shapes(model)
     use_nchwc_convolutions(model, nchwc_block_size())
+    drop_unused_initializers(model)  # the constants of a kernel chain the NCHWc pass replaced
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -346,11 +362,12 @@ _FORMS: dict[str, Callable[[ConvLayer], onnx.ModelProto | None]] = {
 
 
 def format_conv_report(results: Sequence[ConvResult]) -> list[str]:
-    """The study's table: per layer, eager's time and each form's, the picked form marked with ``*``."""
+    """The study's table: per layer, eager's time and each form's, the picked form marked with ``*`` (on eager's
+    weight gradient where ORTModule runs PyTorch's kernel for it)."""
     forms = [*INPUT_FORMS, *WEIGHT_FORMS]
     lines = [
         "ms per gradient; * the form ORTModule picks; 'vs eager': picked input + weight gradient against eager's",
-        f"{'layer':<38}{'eager in':>9}{'eager w':>9}" + "".join(f"{form:>13}" for form in forms) + f"{'vs eager':>10}",
+        f"{'layer':<38}{'eager in':>9}{'eager w':>10}" + "".join(f"{form:>13}" for form in forms) + f"{'vs eager':>10}",
     ]
     for result in results:
         cells = []
@@ -358,12 +375,13 @@ def format_conv_report(results: Sequence[ConvResult]) -> list[str]:
             value = result.input_ms.get(form, result.weight_ms.get(form))
             mark = "*" if form in result.picked else " "
             cells.append(f"{'-':>12} " if value is None else f"{value:>12.2f}{mark}")
-        picked = result.input_ms[result.picked[0]] + result.weight_ms[result.picked[1]]
+        weight_ms = {**result.weight_ms, TORCH_WEIGHT: result.eager_weight_ms}
+        picked = result.input_ms[result.picked[0]] + weight_ms[result.picked[1]]
         ratio = (result.eager_input_ms + result.eager_weight_ms) / picked
+        torch_mark = "*" if result.picked[1] == TORCH_WEIGHT else " "
         lines.append(
-            f"{result.workload + ' ' + result.layer:<38}{result.eager_input_ms:>9.2f}{result.eager_weight_ms:>9.2f}"
-            + "".join(cells)
-            + f"{ratio:>9.2f}x"
+            f"{result.workload + ' ' + result.layer:<38}{result.eager_input_ms:>9.2f}"
+            f"{result.eager_weight_ms:>9.2f}{torch_mark}" + "".join(cells) + f"{ratio:>9.2f}x"
         )
     worst = max((result.max_relative_error for result in results), default=0.0)
     lines.append(f"(every form within {worst:.1e} of eager's gradient, relative to its largest magnitude)")

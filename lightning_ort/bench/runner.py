@@ -529,7 +529,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
         "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
-        "attention=onnx|torch, cuda_graph=on|off (ort/attention=torch/cuda_memory=shared_arena)",
+        "attention=onnx|torch, cuda_graph=on|off, conv_weight_grad=auto|onnx|torch "
+        "(ort/attention=torch/cuda_memory=shared_arena)",
     )
     timed.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
     timed.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")

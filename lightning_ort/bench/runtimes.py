@@ -21,8 +21,10 @@ from lightning_ort.bench.workloads import Workload, synchronize
 from lightning_ort.module import ORTModule
 from lightning_ort.options import (
     ATTENTION_PATHS,
+    CONV_WEIGHT_GRADS,
     CUDA_MEMORY,
     AttentionPath,
+    ConvWeightGrad,
     CudaMemory,
     DebugOptions,
     SessionSettings,
@@ -30,7 +32,12 @@ from lightning_ort.options import (
 
 RUNTIMES = ("eager", "inductor", "ort")
 """The runtimes a run compares by default; eager always runs first, as the reference of the ratios."""
-ORT_VARIANTS = {"cuda_memory": CUDA_MEMORY, "attention": ATTENTION_PATHS, "cuda_graph": ("on", "off")}
+ORT_VARIANTS = {
+    "cuda_memory": CUDA_MEMORY,
+    "attention": ATTENTION_PATHS,
+    "cuda_graph": ("on", "off"),
+    "conv_weight_grad": CONV_WEIGHT_GRADS,
+}
 """The ORTModule options a runtime name may set: ``ort/cuda_memory=shared_arena/attention=torch``."""
 
 
@@ -90,8 +97,11 @@ class Runner:
             variant = ort_variant(name)
             memory = cast(CudaMemory, variant.get("cuda_memory", "torch"))
             attention = cast(AttentionPath, variant.get("attention", "onnx"))
+            weight_grad = cast(ConvWeightGrad, variant.get("conv_weight_grad", "auto"))
             settings = SessionSettings(cuda_memory=memory, cuda_graph=variant.get("cuda_graph") == "on")
-            self.model = ORTModule(model, debug_options, session_settings=settings, attention=attention)
+            self.model = ORTModule(
+                model, debug_options, session_settings=settings, attention=attention, conv_weight_grad=weight_grad
+            )
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.autocast_dtype = PRECISIONS[precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.autocast_dtype is torch.float16)

@@ -26,6 +26,7 @@ from lightning_ort.deployment import ExportSpec, check_export_target
 from lightning_ort.options import (
     PROVIDERS_ACCEPTED,
     AttentionPath,
+    ConvWeightGrad,
     CudaMemory,
     DebugOptions,
     Fallback,
@@ -69,6 +70,8 @@ class ORTConfig:
         attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs) or
             ``"torch"`` (PyTorch's fused kernels between ONNX Runtime partitions; see
             :class:`~lightning_ort.ORTModule`).
+        conv_weight_grad: where convolutions' weight gradients are computed: ``"auto"`` (PyTorch's kernel where
+            it is faster, on CPU), ``"onnx"`` or ``"torch"`` (see :class:`~lightning_ort.ORTModule`).
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator), ``"shared_arena"``
             or ``"session_arena"`` (see :class:`~lightning_ort.SessionSettings`).
         cuda_graph: on CUDA, replay each static-shape graph as a CUDA graph (see
@@ -117,6 +120,7 @@ class ORTConfig:
     cuda_memory: CudaMemory = "torch"
     cuda_graph: bool = False
     attention: AttentionPath = "onnx"
+    conv_weight_grad: ConvWeightGrad = "auto"
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None
     dynamic: bool | None = None
@@ -163,6 +167,7 @@ class ORTConfig:
             blocks=self.blocks if self.blocks in (None, "auto") else _names(self.blocks),
             dynamic_axes=self.dynamic_axes,
             attention=self.attention,
+            conv_weight_grad=self.conv_weight_grad,
         )
         normalised = {
             "modules": _names(self.modules),

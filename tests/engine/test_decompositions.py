@@ -147,7 +147,8 @@ def test_large_columns_are_unfolded_in_parts_in_the_exported_graph(
     monkeypatch.setattr(decompositions, "COLUMN_BYTES", 8 * 16 * 9 * 36 * 4)  # the columns of 8 of the 20 images
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3, padding=1))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug, conv_weight_grad="onnx")
     x = torch.randn(20, 3, 8, 8)
     wrapped(x).square().sum().backward()
     eager(x).square().sum().backward()
@@ -218,7 +219,8 @@ def test_batch_norm_trains_through_one_onnx_batch_normalization_per_layer(tmp_pa
         torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4)
     )
     eager(torch.randn(2, 3, 6, 6))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug, conv_weight_grad="onnx")  # the whole backward in one graph
     x = torch.randn(16, 3, 6, 6) * 2 + 5
     for model in (eager, wrapped):
         model(x).square().sum().backward()
@@ -312,7 +314,8 @@ def test_max_pooling_trains_in_onnx_runtime_with_eager_gradients(tmp_path: Path)
         torch.nn.LazyLinear(4),
     )
     eager(torch.randn(2, 3, 16, 16))
-    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug, conv_weight_grad="onnx")  # the whole backward in one graph
     x = torch.randn(4, 3, 16, 16)
     for model in (eager, wrapped):
         model(x).square().sum().backward()

@@ -160,7 +160,7 @@ def test_gradients_that_reshape_a_product_come_back_as_views() -> None:
     # graph output, so returning the reshape would copy every weight gradient once more.
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 4, 3))
-    wrapped = ORTModule(copy.deepcopy(eager))
+    wrapped = ORTModule(copy.deepcopy(eager), conv_weight_grad="onnx")
     x = torch.randn(3, 8, 6, 6)
     wrapped(x).square().sum().backward()
     eager(x).square().sum().backward()

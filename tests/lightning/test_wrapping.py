@@ -104,6 +104,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "cuda_memory": "shared_arena",
         "cuda_graph": True,
         "attention": "torch",
+        "conv_weight_grad": "onnx",
         "fallback": "raise",
         "cache_dir": str(tmp_path / "cache"),
         "dynamic": True,
@@ -121,6 +122,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
     assert not config.session_settings.allow_spinning
     assert not config.session_settings.release_torch_threads
     assert config.session_settings.cuda_memory == "shared_arena" and config.module_options.attention == "torch"
+    assert config.module_options.conv_weight_grad == "onnx"
     assert config.session_settings.cuda_graph
     assert config.debug_options.profile
     assert config.blocks == ("TransformerEncoderLayer",)

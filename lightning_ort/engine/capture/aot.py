@@ -138,7 +138,7 @@ class CapturedGraph:
             bw_compiler=self._graph_compiler("backward"),
             inference_compiler=self._graph_compiler("inference"),
             partition_fn=_partition,
-            decompositions=capture_decompositions(self._device.type, attention_path),
+            decompositions=capture_decompositions(self._device.type, attention_path, self._options.conv_weight_grad),
         )
         try:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross

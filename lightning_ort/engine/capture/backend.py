@@ -61,7 +61,14 @@ from lightning_ort.errors import (
     warn,
 )
 from lightning_ort.logs import ScopedFilter, get_logger
-from lightning_ort.options import DebugOptions, Fallback, SessionSettings, parse_attention, parse_fallback
+from lightning_ort.options import (
+    DebugOptions,
+    Fallback,
+    SessionSettings,
+    parse_attention,
+    parse_conv_weight_grad,
+    parse_fallback,
+)
 
 log = get_logger(__name__)
 
@@ -292,7 +299,7 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
     """
     debug_fields = {f.name for f in dataclasses.fields(DebugOptions)}
     settings_fields = {f.name for f in dataclasses.fields(SessionSettings)}
-    build_fields = {"fallback", "cache_dir", "attention"}
+    build_fields = {"fallback", "cache_dir", "attention", "conv_weight_grad"}
     unknown = set(options) - debug_fields - settings_fields - build_fields
     if unknown:
         raise ValueError(
@@ -306,6 +313,7 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
         parse_fallback(options.get("fallback", "auto")),
         DiskCache(cache_dir) if cache_dir is not None else None,
         parse_attention(options.get("attention", "onnx")),
+        parse_conv_weight_grad(options.get("conv_weight_grad", "auto")),
     )
 
 

@@ -31,13 +31,14 @@ from lightning_ort.engine.capture.partition import (
     describe_ops,
     split_graph,
     unsupported_nodes,
+    weight_gradient_nodes,
 )
 from lightning_ort.engine.onnx.export import ExportedGraph, export_graph
 from lightning_ort.engine.runtime.disk_cache import DiskCache
 from lightning_ort.engine.runtime.session import GraphSession, providers_for
 from lightning_ort.errors import ExportError, FallbackWarning, LightningORTError, SessionError, first_line, warn
 from lightning_ort.logs import get_logger
-from lightning_ort.options import AttentionPath, DebugOptions, Fallback, LogLevel, SessionSettings
+from lightning_ort.options import AttentionPath, ConvWeightGrad, DebugOptions, Fallback, LogLevel, SessionSettings
 
 log = get_logger(__name__)
 
@@ -54,6 +55,8 @@ class BuildOptions:
         disk_cache: where exported graphs are saved and looked up, or ``None``.
         attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs) or
             ``"torch"`` (its fused kernels, between ONNX Runtime partitions).
+        conv_weight_grad: where convolutions' weight gradients are computed (see
+            :func:`~lightning_ort.engine.fx.decompositions.weight_grad_in_torch`).
     """
 
     settings: SessionSettings = field(default_factory=SessionSettings)
@@ -61,6 +64,7 @@ class BuildOptions:
     fallback: Fallback = "auto"
     disk_cache: DiskCache | None = None
     attention: AttentionPath = "onnx"
+    conv_weight_grad: ConvWeightGrad = "auto"
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,7 @@ class GraphBuilder:
             key, graph = self._load_cached(gm, example_inputs, name)
             if graph is not None:
                 return self._open_session(graph)
-        kept = attention_nodes(gm) if self._options.attention == "torch" else {}
+        kept = {**(attention_nodes(gm) if self._options.attention == "torch" else {}), **weight_gradient_nodes(gm)}
         unsupported = {name: reason for name, reason in unsupported_nodes(gm).items() if name not in kept}
         if unsupported and self._options.fallback == "raise":
             raise ExportError(

@@ -81,6 +81,24 @@ def attention_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     }
 
 
+def weight_gradient_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """The convolution weight gradients of ``gm`` that its decomposition left to PyTorch's kernel, by name, each
+    with the reason it runs there.
+
+    :func:`~lightning_ort.engine.fx.decompositions.convolution_backward` leaves ``aten.convolution_backward``
+    whole, asking for the weight gradient alone, where ``conv_weight_grad`` chooses PyTorch for a layer; any
+    other ``convolution_backward`` (a transposed convolution's) is no request but an op ONNX cannot express.
+    """
+    return {
+        node.name: "conv_weight_grad keeps in PyTorch"
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        and node.target is aten.convolution_backward.default
+        and not node.args[7]
+        and list(node.args[10]) == [False, True, False]
+    }
+
+
 def describe_ops(gm: torch.fx.GraphModule, reasons: dict[str, str]) -> str:
     """``"ONNX has no translation for `aten.foo.default` (module `encoder` (Foo))"``, grouped by reason."""
     grouped: dict[str, dict[str, set[str]]] = {}

@@ -9,7 +9,8 @@ Core ATen decompositions, plus:
 * ``aten.convolution_backward`` (no ONNX translation) as a convolution with the flipped kernel (stride 1) or a
   transposed convolution for the input gradient, an im2col matrix product for the weight gradient and a sum
   for the bias gradient; on small CPU images, products with a 0/1 selection matrix unfold the input and fold
-  the input gradient back;
+  the input gradient back; where ``conv_weight_grad`` chooses PyTorch's kernel for a layer's weight gradient
+  (:func:`weight_grad_in_torch`), that gradient stays one ``convolution_backward`` op;
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from lightning_ort.engine.torch_internals import FUSED_ATTENTION_FORWARD, core_aten_decompositions, get_decompositions
-from lightning_ort.options import AttentionPath
+from lightning_ort.options import AttentionPath, ConvWeightGrad
 
 aten = torch.ops.aten
 
@@ -54,8 +55,13 @@ def convolution_backward(
     output_padding: Sequence[int],
     groups: int,
     output_mask: Sequence[bool],
+    weight_grad_path: ConvWeightGrad = "onnx",
 ) -> Any:
     """Gradients of a (non-transposed) N-d convolution expressed with forward convolutions.
+
+    Where ``weight_grad_path`` leaves a layer's weight gradient to PyTorch's kernel (:func:`weight_grad_in_torch`),
+    that gradient is ``aten.convolution_backward`` asking for it alone, which this decomposition then leaves
+    whole (``NotImplemented``), to run in PyTorch after the graph that computes ``grad_output``.
 
     Example:
         >>> x, w = torch.randn(2, 4, 7), torch.randn(6, 2, 3)
@@ -67,15 +73,49 @@ def convolution_backward(
     """
     if transposed:
         return NotImplemented
+    torch_weight = output_mask[1] and weight_grad_in_torch(input, weight, padding, groups, weight_grad_path)
+    if torch_weight and not output_mask[0] and not output_mask[2]:
+        return NotImplemented
     spatial = len(stride)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
         grad_input = _input_grad(grad_output, input, weight, stride, padding, dilation, groups)
-    if output_mask[1]:
+    if torch_weight:
+        only_weight = [False, True, False]
+        grad_weight = aten.convolution_backward(
+            grad_output, input, weight, None, stride, padding, dilation, False, output_padding, groups, only_weight
+        )[1]
+    elif output_mask[1]:
         grad_weight = _weight_grad(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *range(2, 2 + spatial)])
     return grad_input, grad_weight, grad_bias
+
+
+def weight_grad_in_torch(
+    input: torch.Tensor, weight: torch.Tensor, padding: Sequence[int], groups: int, path: ConvWeightGrad
+) -> bool:
+    """Whether a convolution's weight gradient is left to PyTorch's kernel rather than built in the graph.
+
+    ``"torch"`` and ``"onnx"`` decide for every layer. ``"auto"`` chooses PyTorch's kernel (oneDNN) for dense CPU
+    convolutions whose graph form would unfold the input with the one-hot convolution (:func:`_unfold`): a
+    kernel larger than 1x1, or a padded one, on images of more than :data:`SELECTION_POSITIONS` positions,
+    where writing the columns costs as much as their product and oneDNN's kernel is about twice as fast. The
+    selection products of smaller images, 1x1 kernels (a strided slice and one product) and depthwise kernels
+    (NCHWc convolutions) are level with oneDNN's or ahead, and stay in the graph; so does every layer on CUDA,
+    where the choice is not measured yet.
+
+    Example:
+        >>> w = torch.randn(8, 4, 3, 3)
+        >>> weight_grad_in_torch(torch.randn(2, 4, 16, 16), w, [1, 1], 1, "auto")
+        True
+        >>> weight_grad_in_torch(torch.randn(2, 4, 4, 4), w, [1, 1], 1, "auto")
+        False
+    """
+    if path != "auto":
+        return path == "torch"
+    pointwise = math.prod(weight.shape[2:]) == 1 and not any(padding)
+    return input.device.type == "cpu" and groups == 1 and not pointwise and not _selects(input)
 
 
 def _input_grad(
@@ -721,7 +761,9 @@ def log_ndtr(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def capture_decompositions(device_type: str, attention_path: AttentionPath = "onnx") -> dict[Any, Callable[..., Any]]:
+def capture_decompositions(
+    device_type: str, attention_path: AttentionPath = "onnx", conv_weight_grad: ConvWeightGrad = "auto"
+) -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
 
     With ``attention_path="torch"`` SDPA's fused forward stays whole, as its backward does: a decomposed forward
@@ -756,7 +798,7 @@ def capture_decompositions(device_type: str, attention_path: AttentionPath = "on
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
         aten.special_log_ndtr.default: log_ndtr,
-        aten.convolution_backward.default: convolution_backward,
+        aten.convolution_backward.default: functools.partial(convolution_backward, weight_grad_path=conv_weight_grad),
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,
         **(_CPU_ONLY if device_type == "cpu" else {}),

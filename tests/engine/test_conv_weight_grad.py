@@ -1,0 +1,202 @@
+"""``conv_weight_grad``: where convolutions' weight gradients are computed.
+
+Under ``"auto"`` (the default) a dense CPU convolution whose graph form would unfold a large image takes its weight
+gradient from PyTorch's kernel, run after the one ONNX Runtime backward graph that computes every input gradient;
+``"onnx"`` keeps every weight gradient in the graphs, ``"torch"`` none. Parity is checked against eager PyTorch on
+a Hugging Face ResNet, whose layers fall on both sides of the choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ort import ORTConfig, ORTModule, ORTSingleDeviceStrategy
+from lightning_ort.engine.capture.backend import backend_options
+from lightning_ort.engine.fx.decompositions import capture_decompositions, weight_grad_in_torch
+from tests.helpers import assert_grads_close
+
+transformers = pytest.importorskip("transformers")
+
+aten = torch.ops.aten
+
+
+def _resnet() -> nn.Module:
+    """A small Hugging Face ResNet: on 32x32 images its stem and first stage see 16x16 and 8x8 images, its last
+    3x3 layer 4x4 ones, and its shortcut is a strided 1x1 convolution."""
+    config = transformers.ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=5
+    )
+    torch.manual_seed(0)
+    return transformers.ResNetForImageClassification(config)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(6, 3, 32, 32, generator=g), "labels": torch.randint(0, 5, (6,), generator=g)}
+
+
+def _expected_in_torch(model: nn.Module, batch: dict[str, torch.Tensor], path: str) -> int:
+    """How many of ``model``'s convolutions ``path`` leaves to PyTorch, judged on the inputs each one sees."""
+    chosen: list[bool] = []
+
+    def record(conv: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        assert isinstance(conv, nn.Conv2d)
+        chosen.append(weight_grad_in_torch(inputs[0], conv.weight, conv.padding, conv.groups, path))  # type: ignore[arg-type]
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    with torch.no_grad():
+        model(**batch)
+    for hook in hooks:
+        hook.remove()
+    return sum(chosen)
+
+
+@pytest.mark.parametrize("path", ["auto", "onnx", "torch"])
+@pytest.mark.parametrize("blocks", [None, "auto"], ids=["one-graph", "block-graphs"])
+def test_resnet_trains_as_eager_with_each_weight_gradient_path(path: str, blocks: str | None) -> None:
+    eager = _resnet()
+    wrapped = ORTModule(copy.deepcopy(eager), blocks=blocks, conv_weight_grad=path, fallback="raise")  # type: ignore[arg-type]
+    batch = _batch()
+    in_torch = _expected_in_torch(eager, batch, path)
+    assert (in_torch, path) in {(4, "auto"), (0, "onnx"), (6, "torch")}, "the model has layers on both sides"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # weight gradients kept in PyTorch are no fallback: no warning
+        actual = wrapped(**batch).loss
+        actual.backward()
+    expected = eager(**batch).loss
+    expected.backward()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert_grads_close(wrapped, eager)
+    stats = wrapped.statistics
+    assert stats.fallback_ops == 0 and stats.eager_signatures == 0
+    assert stats.forward_runs > 0 and stats.backward_runs > 0, "the rest ran in ONNX Runtime"
+    wrapped(**batch).loss.backward()  # the loss sets config.problem_type on the first call: one more graph
+    with torch.profiler.profile() as profile:
+        wrapped(**batch).loss.backward()
+    ran = [event.name for event in profile.events()]
+    assert ran.count("aten::convolution_backward") == in_torch, path
+    assert "aten::mkldnn_convolution" not in ran and "aten::convolution" not in ran, "the forward ran in ORT"
+
+
+def test_the_weight_gradient_stays_one_op_asking_for_the_weight_alone() -> None:
+    x, w, gy = torch.randn(2, 4, 8, 8), torch.randn(6, 4, 3, 3), torch.randn(2, 6, 8, 8)
+
+    def backward(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return aten.convolution_backward(gy, x, w, [6], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+
+    expected = backward(gy, x, w)
+    for path, kept in (("torch", 1), ("auto", 1), ("onnx", 0)):
+        gm = make_fx(backward, decomposition_table=capture_decompositions("cpu", "onnx", path))(gy, x, w)  # type: ignore[arg-type]
+        ops = [n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]
+        assert len(ops) == kept, path
+        assert all(list(n.args[10]) == [False, True, False] for n in ops), "asks for the weight gradient alone"
+        for actual, reference in zip(gm(gy, x, w), expected, strict=True):
+            torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("size", "kernel", "padding", "groups", "device", "expected"),
+    [
+        (16, 3, 1, 1, "cpu", True),  # 256 positions: the one-hot unfold costs as much as the product
+        (5, 3, 0, 1, "cpu", True),  # 25 positions
+        (4, 3, 1, 1, "cpu", False),  # 16 positions: the selection product
+        (16, 1, 0, 1, "cpu", False),  # pointwise: a strided slice and one product
+        (16, 1, 1, 1, "cpu", True),  # padded 1x1: unfolded
+        (16, 3, 1, 4, "cpu", False),  # depthwise: NCHWc convolutions
+        (16, 3, 1, 1, "meta", False),  # not CPU: not measured, stays in the graphs
+    ],
+)
+def test_auto_chooses_pytorch_where_the_graph_would_unfold_a_large_image(
+    size: int, kernel: int, padding: int, groups: int, device: str, expected: bool
+) -> None:
+    images = torch.empty(2, 4, size, size, device=device)
+    weight = torch.empty(4, 4 // groups, kernel, kernel, device=device)
+    assert weight_grad_in_torch(images, weight, [padding] * 2, groups, "auto") is expected
+    assert weight_grad_in_torch(images, weight, [padding] * 2, groups, "torch")
+    assert not weight_grad_in_torch(images, weight, [padding] * 2, groups, "onnx")
+
+
+def test_conv_weight_grad_is_checked_and_reaches_every_entry_point() -> None:
+    with pytest.raises(ValueError, match="conv_weight_grad='oneDNN' is not one of 'auto', 'onnx', 'torch'"):
+        ORTModule(nn.Linear(2, 2), conv_weight_grad="oneDNN")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="conv_weight_grad"):
+        ORTModule(nn.Linear(2, 2), conv_weight_grad=None)  # type: ignore[arg-type]
+    assert ORTModule(nn.Linear(2, 2)).conv_weight_grad == "auto"
+    assert ORTConfig(conv_weight_grad="onnx").module_options.conv_weight_grad == "onnx"
+    assert backend_options({"conv_weight_grad": "torch"}).conv_weight_grad == "torch"
+
+
+class _ConvClassifier(pl.LightningModule):
+    """Conv, batch norm and ReLU on 16x16 images: a stride-1 and a stride-2 layer whose weight gradients
+    ``"auto"`` leaves to PyTorch, trained on a few synthetic batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(16, 4),
+        )
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        images, labels = batch
+        loss = F.cross_entropy(self.net(images), labels)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(24, 3, 16, 16, generator=g), torch.randint(0, 4, (24,), generator=g))
+        return DataLoader(data, batch_size=8)
+
+
+def _fit(tmp_path: Path, strategy: Any) -> _ConvClassifier:
+    torch.manual_seed(0)
+    model = _ConvClassifier()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    return model
+
+
+@pytest.mark.parametrize("path", ["auto", "onnx"])
+def test_a_conv_net_trains_in_lightning_as_in_plain_lightning(path: str, tmp_path: Path) -> None:
+    expected = _fit(tmp_path / "plain", "auto")
+    actual = _fit(tmp_path / "ort", ORTSingleDeviceStrategy(conv_weight_grad=path))
+    torch.testing.assert_close(torch.tensor(actual.losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5)
+    for mine, reference in zip(actual.net.parameters(), expected.net.parameters(), strict=True):
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
+    wrapped = actual.net
+    assert isinstance(wrapped, ORTModule) and wrapped.conv_weight_grad == path
+    assert wrapped.statistics.backward_runs == 3 and wrapped.statistics.fallback_ops == 0
