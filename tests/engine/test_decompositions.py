@@ -20,6 +20,7 @@ from lightning_ort.engine.fx.decompositions import (
     batch_norm_functional,
     capture_decompositions,
     convolution_backward,
+    hardtanh_backward,
     max_pool2d_with_indices_backward,
     threshold_backward,
 )
@@ -249,6 +250,38 @@ def test_threshold_backward_differs_from_aten_only_on_non_finite_gradients_it_ze
     assert threshold_backward(grad, x, 0.0).isnan()[:2].all()
     ours, theirs = threshold_backward(grad, x, 0.0)[2:], aten.threshold_backward(grad, x, 0.0)[2:]
     torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.0, 6.0), (-1.0, 1.0), (-0.5, 0.25)])
+def test_hardtanh_backward_matches_aten_at_the_bounds_and_on_nan_inputs(low: float, high: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 32) * 4
+    x[::3], x[1::3, :5], x[2::3, :8] = low, high, float("nan")  # exactly at a bound: PyTorch gives 0 there
+    grad = torch.randn(64, 32)
+    torch.testing.assert_close(hardtanh_backward(grad, x, low, high), aten.hardtanh_backward(grad, x, low, high))
+    assert not hardtanh_backward(grad, x, low, high)[2::3, :8].any(), "a NaN input gives 0, as PyTorch's kernel"
+
+
+def test_hardtanh_backward_differs_from_aten_only_on_non_finite_gradients_it_zeroes() -> None:
+    x = torch.tensor([-1.0, 7.0, 1.0, 1.0])
+    grad = torch.tensor([float("inf"), float("nan"), float("inf"), float("nan")])
+    assert aten.hardtanh_backward(grad, x, 0.0, 6.0)[:2].tolist() == [0.0, 0.0]
+    assert hardtanh_backward(grad, x, 0.0, 6.0).isnan()[:2].all()
+    ours, theirs = hardtanh_backward(grad, x, 0.0, 6.0)[2:], aten.hardtanh_backward(grad, x, 0.0, 6.0)[2:]
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+def test_relu6_gradient_on_cpu_is_a_product_not_a_where(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU6(), torch.nn.Linear(32, 4))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path))
+    x = torch.randn(8, 16) * 8  # below 0, inside and above 6
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    ops = [node.op_type for node in onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node]
+    assert "Where" not in ops and "Mul" in ops, ops
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_relu_gradient_on_cpu_is_a_product_not_a_where(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ Core ATen decompositions, plus:
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
-* on CPU, ReLU's gradient (``aten.threshold_backward``) as a product with a 0/1 mask, not a ``Where``;
+* on CPU, ReLU's and ReLU6's gradients (``aten.threshold_backward``, ``aten.hardtanh_backward``) as products
+  with a 0/1 mask, not a ``Where``;
 * ``avg_pool2d_backward`` (no ONNX translation) as a depthwise transposed convolution where every window has the
   same divisor;
 * ``max_pool2d_with_indices_backward`` (no ONNX translation) as a ``scatter_add`` of the output gradient at the
@@ -506,6 +507,24 @@ def threshold_backward(grad_output: torch.Tensor, self: torch.Tensor, threshold:
     return grad_output * (self > threshold).to(grad_output.dtype)
 
 
+def hardtanh_backward(grad_output: torch.Tensor, self: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
+    """ReLU6's (and ``F.hardtanh``'s) gradient: ``grad_output`` times the 0/1 mask of ``self`` inside the bounds.
+
+    ATen's decomposition is ``where((self <= min_val) | (self >= max_val), 0, grad_output)``; ONNX Runtime's CPU
+    ``Where`` costs about twice the two comparisons, ``And``, ``Cast`` and ``Mul`` together. A NaN input gives 0,
+    as PyTorch's vectorized CPU kernel does (ATen's decomposition, and that kernel on a tensor's last few
+    elements, pass the gradient there). The one other difference is :func:`threshold_backward`'s: an infinite or
+    NaN gradient where the input is outside the bounds gives NaN here and 0 in PyTorch.
+
+    Example:
+        >>> x = torch.tensor([-1.0, 0.0, 3.0, 6.0, 7.0, float("nan")])
+        >>> hardtanh_backward(torch.ones(6), x, 0.0, 6.0)
+        tensor([0., 0., 1., 0., 0., 0.])
+    """
+    inside = (self > min_val) & (self < max_val)
+    return grad_output * inside.to(grad_output.dtype)
+
+
 def avg_pool2d_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -770,10 +789,11 @@ def capture_decompositions(
     does not give the backward kernel the softmax statistics it expects.
 
     ``select_backward`` stays whole so that :mod:`lightning_ort.engine.fx.passes` can turn sums of them into
-    one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` replaces ATen's
-    exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel is not slower than a ``Mul``. The batch
-    norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`) are CPU only too: they pay on CPU,
-    and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below 1e-5 to 1e-5.
+    one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` and
+    :func:`hardtanh_backward` replace ATen's exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel
+    is not slower than a ``Mul``. The batch norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`)
+    are CPU only too: they pay on CPU, and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below
+    1e-5 to 1e-5.
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)
@@ -807,6 +827,7 @@ def capture_decompositions(
 
 _CPU_ONLY: dict[Any, Callable[..., Any]] = {
     aten.threshold_backward.default: threshold_backward,
+    aten.hardtanh_backward.default: hardtanh_backward,
     aten._native_batch_norm_legit_functional.default: batch_norm_functional,
     aten.native_batch_norm_backward.default: batch_norm_backward,
 }
