@@ -7,6 +7,7 @@ import functools
 import math
 import unittest.mock
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -159,6 +160,23 @@ def test_large_columns_are_unfolded_in_parts_in_the_exported_graph(
     assert len(unfolds) == 3, [n.name for n in unfolds]  # 7 + 7 + 6 images
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_weight_gradient_moves_no_axis(stride: int) -> None:
+    # One input channel per group: the input-channel axis is moved by reshapes, which cost nothing, not by
+    # permutations, which ONNX Runtime copies.
+    x, w = torch.randn(4, 24, 9, 9), torch.randn(24, 1, 3, 3)
+    gy = torch.randn(4, 24, (9 - 1) // stride + 1, (9 - 1) // stride + 1)
+    mask = [False, True, False]
+
+    def backward(gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Any:
+        return convolution_backward(gy, x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 24, mask)
+
+    ops = {node.target for node in make_fx(backward)(gy, x, w).graph.nodes if node.op == "call_function"}
+    assert aten.permute.default not in ops, ops
+    expected = aten.convolution_backward(gy, x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 24, mask)
+    torch.testing.assert_close(backward(gy, x, w)[1], expected[1], rtol=1e-4, atol=1e-5)
 
 
 def test_respects_output_mask_and_declines_transposed() -> None:

@@ -217,21 +217,25 @@ def _weight_grad(
     if groups == 1:
         return _unfolded_weight_grad(grad_output, input, weight, stride, padding, dilation)
     # Grouped (depthwise): correlate input channels with output-gradient channels over the batch, a
-    # convolution whose stride is the forward dilation and whose dilation is the forward stride.
+    # convolution whose stride is the forward dilation and whose dilation is the forward stride. With one input
+    # channel per group (depthwise) the moves of the input-channel axis are reshapes, not transposes.
     batch = input.shape[0]
     out_channels, in_per_group = weight.shape[0], weight.shape[1]
     out_per_group = out_channels // groups
     spatial_in, spatial_out = input.shape[2:], grad_output.shape[2:]
     kernel = weight.shape[2:]
-    x = input.reshape(batch, groups, in_per_group, *spatial_in).movedim(2, 0)
+    x = input.reshape(batch, groups, in_per_group, *spatial_in)
+    x = x.reshape(1, batch * groups, *spatial_in) if in_per_group == 1 else x.movedim(2, 0)
     x = x.reshape(in_per_group, batch * groups, *spatial_in)
     gy = grad_output.reshape(batch * groups * out_per_group, 1, *spatial_out)
     grad = aten.convolution(x, gy, None, dilation, padding, stride, False, [0] * len(stride), batch * groups)
     full_kernel = grad.shape[2:]
     grad = grad.reshape(in_per_group, batch, groups, out_per_group, *full_kernel).sum(1)
-    grad = grad.movedim(0, 2).reshape(out_channels, in_per_group, *full_kernel)
+    grad = grad if in_per_group == 1 else grad.movedim(0, 2)
+    grad = grad.reshape(out_channels, in_per_group, *full_kernel)
     for dim, size in enumerate(kernel):
-        grad = grad.narrow(2 + dim, 0, size)
+        if not (isinstance(full_kernel[dim], int) and full_kernel[dim] == size):
+            grad = grad.narrow(2 + dim, 0, size)
     return grad
 
 
