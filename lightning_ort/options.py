@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import onnxruntime as ort
 import torch
@@ -418,15 +418,12 @@ def parse_attention(value: str) -> AttentionPath:
         >>> parse_attention("torch")
         'torch'
     """
-    if not isinstance(value, str):
-        raise argument_type_error("attention", value, f"one of {', '.join(map(repr, ATTENTION_PATHS))}")
-    for path in ATTENTION_PATHS:
-        if value == path:
-            return path
-    allowed = ", ".join(map(repr, ATTENTION_PATHS))
-    raise ValueError(
-        f"attention={value!r} is not one of {allowed}: 'onnx' (default) exports attention's math into the graphs, "
-        "'torch' keeps F.scaled_dot_product_attention as PyTorch's fused kernels."
+    return _choice(
+        "attention",
+        value,
+        ATTENTION_PATHS,
+        "'onnx' (default) exports attention's math into the graphs, "
+        "'torch' keeps F.scaled_dot_product_attention as PyTorch's fused kernels.",
     )
 
 
@@ -441,16 +438,28 @@ def parse_conv_weight_grad(value: str) -> ConvWeightGrad:
         >>> parse_conv_weight_grad("torch")
         'torch'
     """
-    allowed = ", ".join(map(repr, CONV_WEIGHT_GRADS))
+    return _choice(
+        "conv_weight_grad",
+        value,
+        CONV_WEIGHT_GRADS,
+        "'auto' (default) chooses per layer, 'onnx' computes every convolution's weight gradient in the ONNX "
+        "Runtime graphs, 'torch' in PyTorch's own kernel.",
+    )
+
+
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def _choice(argument: str, value: object, choices: tuple[_Choice, ...], meanings: str) -> _Choice:
+    """``value`` as one of ``choices``; a TypeError for a non-string, a ValueError naming ``argument``, the choices
+    and their ``meanings`` for another string."""
+    allowed = ", ".join(map(repr, choices))
     if not isinstance(value, str):
-        raise argument_type_error("conv_weight_grad", value, f"one of {allowed}")
-    for choice in CONV_WEIGHT_GRADS:
+        raise argument_type_error(argument, value, f"one of {allowed}")
+    for choice in choices:
         if value == choice:
             return choice
-    raise ValueError(
-        f"conv_weight_grad={value!r} is not one of {allowed}: 'auto' (default) chooses per layer, 'onnx' computes "
-        "every convolution's weight gradient in the ONNX Runtime graphs, 'torch' in PyTorch's own kernel."
-    )
+    raise ValueError(f"{argument}={value!r} is not one of {allowed}: {meanings}")
 
 
 def _block_specs(blocks: Sequence[BlockSpec] | str | None) -> tuple[BlockSpec, ...] | Literal["auto"] | None:

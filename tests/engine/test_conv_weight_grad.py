@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -25,6 +24,7 @@ from lightning_ort import ORTConfig, ORTModule, ORTSingleDeviceStrategy
 from lightning_ort.engine.capture.backend import backend_options
 from lightning_ort.engine.fx.decompositions import capture_decompositions, weight_grad_in_torch
 from tests.helpers import assert_grads_close
+from tests.lightning.models import train_three_steps
 
 transformers = pytest.importorskip("transformers")
 
@@ -153,13 +153,10 @@ class _ConvClassifier(pl.LightningModule):
             nn.Flatten(),
             nn.Linear(16, 4),
         )
-        self.losses: list[float] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
         images, labels = batch
-        loss = F.cross_entropy(self.net(images), labels)
-        self.losses.append(float(loss))
-        return loss
+        return F.cross_entropy(self.net(images), labels)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -170,31 +167,13 @@ class _ConvClassifier(pl.LightningModule):
         return DataLoader(data, batch_size=8)
 
 
-def _fit(tmp_path: Path, strategy: Any) -> _ConvClassifier:
-    torch.manual_seed(0)
-    model = _ConvClassifier()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model)
-    return model
-
-
 @pytest.mark.parametrize("path", ["auto", "onnx"])
 def test_a_conv_net_trains_in_lightning_as_in_plain_lightning(path: str, tmp_path: Path) -> None:
-    expected = _fit(tmp_path / "plain", "auto")
-    actual = _fit(tmp_path / "ort", ORTSingleDeviceStrategy(conv_weight_grad=path))
-    torch.testing.assert_close(torch.tensor(actual.losses), torch.tensor(expected.losses), rtol=1e-4, atol=1e-5)
+    expected_losses, expected = train_three_steps(_ConvClassifier, tmp_path / "plain")
+    strategy = ORTSingleDeviceStrategy(conv_weight_grad=path)
+    actual_losses, actual = train_three_steps(_ConvClassifier, tmp_path / "ort", strategy=strategy)
+    assert isinstance(actual, _ConvClassifier) and isinstance(expected, _ConvClassifier)
+    torch.testing.assert_close(torch.tensor(actual_losses), torch.tensor(expected_losses), rtol=1e-4, atol=1e-5)
     for mine, reference in zip(actual.net.parameters(), expected.net.parameters(), strict=True):
         torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
     wrapped = actual.net

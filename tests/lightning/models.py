@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -84,3 +87,41 @@ class LateHeadLM(TinyTransformerLM):
     def configure_model(self) -> None:
         if not hasattr(self, "head"):
             self.head = nn.Linear(self.hparams.width, self.hparams.vocab)
+
+
+class Losses(pl.Callback):
+    """Records the loss of every training step."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+def train_three_steps(
+    make: Callable[[], pl.LightningModule], tmp_path: Path, **ort: Any
+) -> tuple[list[float], pl.LightningModule]:
+    """Seed, make a model and fit it for three steps on CPU, warnings silenced; its losses and the model.
+
+    ``ort`` takes the Trainer's ``strategy`` or ``callbacks`` (an ``ORTCallback``).
+    """
+    torch.manual_seed(0)
+    model = make()
+    losses = Losses()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses, *ort.pop("callbacks", [])],
+        **ort,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    return losses.values, model

@@ -6,7 +6,6 @@ synthetic token data, with dropout off so that both runs compute the same functi
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort import ORTCallback, ORTModule
+from tests.lightning.models import train_three_steps
 
 VOCAB = 64
 LOSS_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
@@ -64,38 +64,6 @@ class SyntheticLSTM(LightningLSTM):
         return DataLoader(_tokens(4, 10), batch_size=4)
 
 
-class Losses(pl.Callback):
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: Any) -> None:
-        self.values.append(float(outputs["loss"]))
-
-
-def _train(
-    make: Callable[[], pl.LightningModule], tmp_path: Path, **ort: Any
-) -> tuple[list[float], pl.LightningModule]:
-    torch.manual_seed(0)
-    model = make()
-    losses = Losses()
-    trainer = pl.Trainer(
-        default_root_dir=tmp_path,
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[losses, *ort.pop("callbacks", [])],
-        **ort,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model)
-    return losses.values, model
-
-
 @pytest.mark.parametrize(
     "make", [SyntheticTransformer, SyntheticLSTM, BoringModel], ids=["transformer", "lstm", "boring"]
 )
@@ -103,9 +71,9 @@ def _train(
 def test_demo_model_trains_like_plain_lightning(
     make: Callable[[], pl.LightningModule], how: str, tmp_path: Path
 ) -> None:
-    expected, _ = _train(make, tmp_path / "plain")
+    expected, _ = train_three_steps(make, tmp_path / "plain")
     ort: dict[str, Any] = {"strategy": "ort"} if how == "strategy" else {"callbacks": [ORTCallback()]}
-    actual, model = _train(make, tmp_path / "ort", **ort)
+    actual, model = train_three_steps(make, tmp_path / "ort", **ort)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), **LOSS_TOLERANCE)
     wrapped = [m for m in model.modules() if isinstance(m, ORTModule)]
     assert wrapped, "no network was wrapped"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -115,8 +115,8 @@ def weight_grad_in_torch(
     """
     if path != "auto":
         return path == "torch"
-    pointwise = math.prod(weight.shape[2:]) == 1 and not any(padding)
-    return input.device.type == "cpu" and groups == 1 and not pointwise and not _selects(input)
+    unfolds_one_hot = _unfold_form(input, weight.shape[2:], padding) == "one_hot"
+    return input.device.type == "cpu" and groups == 1 and unfolds_one_hot
 
 
 def _input_grad(
@@ -296,9 +296,10 @@ def _unfold(
     batch, channels = images.shape[0], images.shape[1]
     taps = math.prod(kernel)
     no_adjust = [0] * len(kernel)
-    if taps == 1 and not any(padding):
+    form = _unfold_form(images, kernel, padding)
+    if form == "slice":
         columns = images[(slice(None), slice(None), *(slice(0, s * (o - 1) + 1, s) for s, o in zip(stride, out)))]
-    elif _selects(images):
+    elif form == "selection":
         selection = selection_matrix(images, kernel, stride, padding, dilation)
         columns = images.reshape(batch * channels, -1) @ selection
     else:
@@ -306,6 +307,16 @@ def _unfold(
         one_hot = one_hot.repeat(channels, *([1] * (1 + len(kernel))))
         columns = aten.convolution(images, one_hot, None, stride, padding, dilation, False, no_adjust, channels)
     return columns.reshape(batch, channels * taps, math.prod(out))
+
+
+def _unfold_form(
+    images: torch.Tensor, kernel: Sequence[int], padding: Sequence[int]
+) -> Literal["slice", "selection", "one_hot"]:
+    """How :func:`_unfold` takes the columns of ``images``: a strided slice (1x1 kernel, no padding), a product with
+    the selection matrix (:func:`_selects`), or the one-hot depthwise convolution."""
+    if math.prod(kernel) == 1 and not any(padding):
+        return "slice"
+    return "selection" if _selects(images) else "one_hot"
 
 
 SELECTION_POSITIONS = 16
