@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -333,6 +334,43 @@ def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: 
     with pytest.raises(SystemExit):
         bench.main([*args, "--row", "gpt2/fp8"])
     assert "is not a row" in capsys.readouterr().err
+
+
+def test_a_runtime_that_fails_is_reported_and_the_table_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_ort.bench import table
+
+    def warmed_runner(name: str, *args: object) -> object:
+        if name == "ort/attention=torch":
+            raise RuntimeError("no kernel for this\nsecond line")
+        return real(name, *args)
+
+    real = table.warmed_runner
+    monkeypatch.setattr(table, "warmed_runner", warmed_runner)
+    args = ["table", "--device", "cpu", "--steps", "2", "--warmup", "0", "--row", "mlp/fp32", "--no-lightning"]
+    report = bench.main([*args, "--runtime", "ort/attention=torch", "--runtime", "ort"])
+    (row,) = report.rows
+    assert [run.runtime for run in row.runs] == ["eager", "ort/attention=torch", "ort"]
+    failed, ort = row.runs[1:]
+    assert failed.error == "RuntimeError: no kernel for this\nsecond line" and math.isnan(failed.step_ms)
+    assert ort.error == "" and len(ort.step_ms_all) == 2 and row.max_abs_loss_diff < 1e-4
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "failed:" in line]
+    assert line.split() == [
+        "mlp",
+        "fp32",
+        "ort/attention=torch",
+        "failed:",
+        "RuntimeError:",
+        "no",
+        "kernel",
+        "for",
+        "this",
+    ]
+
+    monkeypatch.setattr(table, "warmed_runner", lambda *args: (_ for _ in ()).throw(RuntimeError("eager broke")))
+    with pytest.raises(RuntimeError, match="eager broke"):
+        bench.main(args)
 
 
 def _backward_nodes(layer: ConvLayer, mask: list[bool]) -> list[torch.fx.Node]:

@@ -65,8 +65,9 @@ def table_row(spec: str) -> tuple[str, str]:
 @dataclass
 class TableRun:
     """One runtime on one row: median and first step, peak device memory (``None`` on CPU, where freed memory
-    is not returned to the system and one process cannot tell its runtimes apart), and what of an ORTModule's
-    step ran in PyTorch (``""``: nothing)."""
+    is not returned to the system and one process cannot tell its runtimes apart), what of an ORTModule's
+    step ran in PyTorch (``""``: nothing), and why the runtime could not train the row (``""``: it did; the
+    figures are then NaN)."""
 
     runtime: str
     step_ms: float
@@ -74,6 +75,7 @@ class TableRun:
     peak_mib: float | None
     pytorch_fallback: str = ""
     step_ms_all: list[float] = field(default_factory=list, repr=False)
+    error: str = ""
 
 
 @dataclass
@@ -98,16 +100,28 @@ def run_table_row(
     workload: Workload, precision: str, runtimes: Sequence[str], device: torch.device, steps: int, warmup: int
 ) -> TableRow:
     """Build and warm up each of ``runtimes`` (eager first) on ``workload`` one after another, measuring its peak
-    device memory, then time ``steps`` steps of each in alternating blocks."""
+    device memory, then time ``steps`` steps of each in alternating blocks.
+
+    A runtime other than eager that raises while it is built or warmed up is reported with its error, and the
+    row goes on without it, so that one failing setting does not cost the rest of a GPU run.
+    """
     runners: list[Runner] = []
     peaks: list[float | None] = []
+    errors: dict[str, str] = {}
     for name in runtimes:
         mark = empty_cuda_mark(device)
-        runners.append(warmed_runner(name, workload, device, precision, warmup))
+        try:
+            runners.append(warmed_runner(name, workload, device, precision, warmup))
+        except Exception as err:
+            if name == "eager":
+                raise
+            errors[name] = f"{type(err).__name__}: {err}"
+            gc.collect()
+            continue
         peaks.append(peak_mib(device, mark))
     time_in_blocks(runners, steps)
-    runs = [
-        TableRun(
+    measured = {
+        runner.name: TableRun(
             runner.name,
             statistics.median(runner.times_ms),
             runner.first_step_s,
@@ -116,7 +130,9 @@ def run_table_row(
             runner.times_ms,
         )
         for runner, peak in zip(runners, peaks)
-    ]
+    }
+    nan = float("nan")
+    runs = [measured.get(name) or TableRun(name, nan, nan, None, error=errors[name]) for name in runtimes]
     return TableRow(workload.name, precision, runs, max_loss_gap(runners))
 
 
@@ -137,15 +153,21 @@ def run_table(
 
 def format_table(rows: Sequence[TableRow]) -> list[str]:
     """The table ``table`` prints: per row and runtime, the step and the peak, each against eager's."""
+    width = max([22, *(len(run.runtime) + 2 for row in rows for run in row.runs)])
     lines = [
-        f"{'workload':<13}{'precision':<11}{'runtime':<22}{'step ms':>9}{'vs eager':>10}{'first step s':>14}"
+        f"{'workload':<13}{'precision':<11}{'runtime':<{width}}{'step ms':>9}{'vs eager':>10}{'first step s':>14}"
         f"{'peak MiB':>10}{'x eager':>9}"
     ]
     for row in rows:
         eager = row.runs[0]
         for run in row.runs:
+            if run.error:
+                lines.append(
+                    f"{row.workload:<13}{row.precision:<11}{run.runtime:<{width}}  failed: {_first_line(run.error)}"
+                )
+                continue
             lines.append(
-                f"{row.workload:<13}{row.precision:<11}{run.runtime:<22}{run.step_ms:>9.2f}"
+                f"{row.workload:<13}{row.precision:<11}{run.runtime:<{width}}{run.step_ms:>9.2f}"
                 f"{eager.step_ms / run.step_ms:>9.2f}x{run.first_step_s:>14.2f}"
                 + peak_cells(run.peak_mib, eager.peak_mib)
             )
@@ -153,6 +175,12 @@ def format_table(rows: Sequence[TableRow]) -> list[str]:
                 lines.append(f"{'':<24}  ^ not all ONNX Runtime: {run.pytorch_fallback}")
         lines.append(f"{'':<24}(max |loss eager - loss ORT| {row.max_abs_loss_diff:.1e})")
     return lines
+
+
+def _first_line(message: str, width: int = 160) -> str:
+    """The first line of ``message``, cut to ``width`` characters."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 @dataclass
