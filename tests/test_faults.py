@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 
+import lightning_ort.engine.capture.aot as aot_module
 from lightning_ort import ExportError, FallbackWarning, ORTModule, SessionError
 from tests.zoo import MLP
+from tests.zoo.features import CausalLM
 
 
 def test_nan_and_inf_inputs_propagate_as_in_eager() -> None:
@@ -50,6 +52,33 @@ def test_input_on_another_device_fails_as_eager_does_and_builds_nothing() -> Non
     with pytest.raises(RuntimeError, match="device"):
         wrapped(x)
     assert wrapped.statistics.cached_graphs == 0
+
+
+def test_unspecialised_float_scalars_do_not_count_as_a_second_device() -> None:
+    """``dynamic=True`` passes a ``LayerNorm``'s ``eps`` as a 0-dim float64 CPU tensor, also beside a CUDA model's
+    tensors (faked here): the graph computes on CUDA; a CPU tensor of more dims is a second device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_ort.engine.fx.dynamic import tensor_devices
+
+    with FakeTensorMode():
+        on_cuda = torch.empty(2, 16, device="cuda")
+    eps = torch.tensor(1e-5, dtype=torch.float64)
+    assert tensor_devices([2, on_cuda, eps]) == {on_cuda.device}
+    assert tensor_devices([eps, 1.0]) == {torch.device("cpu")}
+    assert tensor_devices([on_cuda, eps, torch.ones(2)]) == {on_cuda.device, torch.device("cpu")}
+
+    seen: list[list[object]] = []
+
+    def spy(values: list[object]) -> set[torch.device]:
+        seen.append(list(values))
+        return tensor_devices(values)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aot_module, "tensor_devices", spy)
+        ORTModule(CausalLM(), dynamic=True)(torch.randint(0, 64, (2, 16))).sum().backward()
+    scalars = [v for v in seen[0] if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point()]
+    assert scalars, "the case above is what TorchDynamo passes a dynamic graph"
 
 
 def test_session_failure_mid_training_leaves_parameters_grads_and_optimizer_untouched(

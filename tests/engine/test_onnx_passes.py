@@ -19,6 +19,7 @@ from lightning_ort.engine.onnx.passes import (
     DISABLED_ORT_OPTIMIZERS,
     collapse_reshapes,
     compute_bfloat16_in_float,
+    compute_cuda_bfloat16_gaps_in_float,
     cuda_host_nodes,
     dequantize_scaled_masks,
     fuse_transposed_operands,
@@ -688,3 +689,55 @@ def _random_input(value: onnx.ValueInfoProto) -> np.ndarray:
     if np.issubdtype(dtype, np.integer):
         return rng.integers(0, 100, shape).astype(dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+def test_bfloat16_nodes_without_a_cuda_kernel_compute_in_float_and_round_once() -> None:
+    """LogSoftmax, Greater (a boolean result) and ReduceMean have no bfloat16 CUDA kernel: each reads float32
+    casts of its bfloat16 inputs, and its bfloat16 results are cast back; Mul, which has one, is left alone.
+    The rewritten graph runs (on the CPU provider here)."""
+    bf16 = TensorProto.BFLOAT16
+    inputs = [helper.make_tensor_value_info(name, bf16, [4, 8]) for name in ("x", "y")]
+    outputs = [
+        helper.make_tensor_value_info("logp", bf16, [4, 8]),
+        helper.make_tensor_value_info("big", TensorProto.BOOL, [4, 8]),
+        helper.make_tensor_value_info("mean", bf16, [4, 1]),
+    ]
+    nodes = [
+        helper.make_node("LogSoftmax", ["y"], ["logp"], "logp", axis=-1),
+        helper.make_node("Greater", ["x", "y"], ["big"], "big"),
+        helper.make_node("ReduceMean", ["x", "axes"], ["mean"], "mean", keepdims=1),
+    ]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(np.array([1]), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+    assert compute_cuda_bfloat16_gaps_in_float(model) == 3
+    ops = [(n.op_type, n.attribute[0].i if n.op_type == "Cast" else None) for n in model.graph.node]
+    assert ops == [
+        ("Cast", TensorProto.FLOAT), ("LogSoftmax", None), ("Cast", bf16),
+        ("Cast", TensorProto.FLOAT), ("Cast", TensorProto.FLOAT), ("Greater", None),
+        ("Cast", TensorProto.FLOAT), ("ReduceMean", None), ("Cast", bf16),
+    ]  # fmt: skip
+    onnx.checker.check_model(model, full_check=True)
+    assert compute_cuda_bfloat16_gaps_in_float(model) == 0, "nothing left to move"
+    product = helper.make_graph([helper.make_node("Mul", ["x", "y"], ["logp"])], "g", inputs, outputs[:1])
+    assert compute_cuda_bfloat16_gaps_in_float(helper.make_model(product)) == 0
+
+    x, y = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    for name, value in (("x", x), ("y", y)):
+        binding.bind_input(name, "cpu", 0, bf16, [4, 8], value.data_ptr())
+    results = {
+        "logp": torch.empty(4, 8, dtype=torch.bfloat16),
+        "big": torch.empty(4, 8, dtype=torch.bool),
+        "mean": torch.empty(4, 1, dtype=torch.bfloat16),
+    }
+    for name, tensor in results.items():
+        element = bf16 if tensor.dtype == torch.bfloat16 else TensorProto.BOOL
+        binding.bind_output(name, "cpu", 0, element, list(tensor.shape), tensor.data_ptr())
+    session.run_with_iobinding(binding)
+    # Computed in float32 and rounded once, as PyTorch's CUDA kernels accumulate in float32.
+    assert torch.equal(results["logp"], torch.log_softmax(y.float(), -1).bfloat16())
+    assert torch.equal(results["mean"], x.float().mean(1, keepdim=True).bfloat16())
+    assert torch.equal(results["big"], x > y)
+    torch.testing.assert_close(results["logp"], torch.log_softmax(y, -1))

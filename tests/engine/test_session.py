@@ -7,6 +7,9 @@ import gc
 import weakref
 from typing import Any
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -16,8 +19,10 @@ from lightning_ort import ORTModule, SessionSettings
 from lightning_ort.engine.fx.dynamic import evaluate
 from lightning_ort.engine.fx.layout import OutputLayout, PassedInput, ReshapedOutput, normalise_outputs
 from lightning_ort.engine.fx.noise import Noise
+from lightning_ort.engine.onnx.constant_outputs import constant_output_positions, split_constant_outputs
 from lightning_ort.engine.onnx.export import ExportedGraph
 from tests.zoo import MLP
+from tests.zoo.features import CausalLM
 
 
 def test_inputs_and_outputs_are_bound_zero_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,3 +302,69 @@ def test_outputs_are_freed_by_reference_counting_and_gradients_taken_without_cop
             assert all(g is not None and g.data_ptr() in written_at for g in grads)
     finally:
         gc.enable()
+
+
+def test_outputs_that_depend_on_no_input_are_computed_once_and_copied_per_call() -> None:
+    """A causal mask saved for the backward depends on no input: ONNX Runtime would copy it into the output at
+    every run with a synchronous copy (on CUDA a device synchronisation, which CUDA graph capture refuses)."""
+    torch.manual_seed(0)
+    eager = CausalLM()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 64, (2, 16))
+    eager(ids).float().logsumexp(-1).mean().backward()
+    wrapped(ids).float().logsumexp(-1).mean().backward()
+    _assert_grads_match(wrapped, eager)
+
+    forward = next(runner for kind, runner in wrapped._backend.runners() if kind == "forward")
+    model = forward._graph.model
+    positions = constant_output_positions(model)
+    masks = [model.graph.output[position].name for position in positions]
+    assert masks and all(name.startswith("bitwise_not") for name in masks)
+    session_outputs = [output.name for output in forward._session.get_outputs()]
+    assert len(session_outputs) == len(model.graph.output) - len(masks) and not set(masks) & set(session_outputs)
+
+    values = [forward._constants[position] for position in positions]
+    assert all(value.dtype == torch.bool and value.shape == (16, 16) for value in values)
+    assert torch.equal(values[0], ~torch.ones(16, 16, dtype=torch.bool).tril())
+    handed = forward._with_constants([torch.zeros(1)] * len(session_outputs))
+    again = forward._with_constants([torch.zeros(1)] * len(session_outputs))
+    for position, value in zip(positions, values):
+        assert torch.equal(handed[position], value) and handed[position].data_ptr() != value.data_ptr()
+        handed[position].fill_(True)
+        assert torch.equal(again[position], value), "each call gets a copy of its own"
+
+
+def test_constant_outputs_split_from_a_graph_compute_what_it_computes() -> None:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3]) for name in ("y", "c", "r", "z")]
+    nodes = [
+        helper.make_node("Constant", [], ["one"], value=helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])),
+        helper.make_node("Relu", ["x"], ["y"]),
+        helper.make_node("Expand", ["one", "shape"], ["c"]),
+        helper.make_node("RandomUniformLike", ["c"], ["r"]),
+        helper.make_node("Add", ["y", "c"], ["z"]),
+    ]
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [2, 3])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x], outputs, [shape]), opset_imports=[helper.make_opsetid("", 17)], ir_version=10
+    )
+    assert constant_output_positions(model) == [1], "random ops and what reads an input are not constants"
+    split = split_constant_outputs(model)
+    assert split is not None and split.positions == [1]
+    assert [o.name for o in split.graph.graph.output] == ["y", "r", "z"] and len(split.graph.graph.input) == 1
+    assert [o.name for o in split.constants.graph.output] == ["c"] and not split.constants.graph.input
+    assert [n.op_type for n in split.constants.graph.node] == ["Constant", "Expand"]
+    onnx.checker.check_model(split.graph, full_check=True)
+    onnx.checker.check_model(split.constants, full_check=True)
+    whole = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    value = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    y, c, _, z = whole.run(None, {"x": value})
+    rest = ort.InferenceSession(split.graph.SerializeToString(), providers=["CPUExecutionProvider"])
+    constants = ort.InferenceSession(split.constants.SerializeToString(), providers=["CPUExecutionProvider"])
+    y2, _, z2 = rest.run(None, {"x": value})
+    (c2,) = constants.run(None, {})
+    assert np.array_equal(y, y2) and np.array_equal(z, z2) and np.array_equal(c, c2)
+    only_constants = helper.make_model(helper.make_graph(nodes[:1], "g", [x], [outputs[1]]))
+    assert split_constant_outputs(only_constants) is None, "a graph with nothing left to run stays whole"

@@ -35,7 +35,7 @@ from lightning_ort.engine.capture.build import (
     warn_fallback,
 )
 from lightning_ort.engine.fx.decompositions import capture_decompositions
-from lightning_ort.engine.fx.dynamic import is_symbolic
+from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
 from lightning_ort.engine.torch_internals import (
@@ -291,7 +291,7 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 
 def _graph_device(example_inputs: Sequence[Any], owner: str) -> torch.device:
-    devices = {v.device for v in example_inputs if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+    devices = tensor_devices(example_inputs)
     if len(devices) > 1:
         raise CaptureError(
             f"{owner} computes with tensors on several devices {sorted(map(str, devices))} in one graph; "

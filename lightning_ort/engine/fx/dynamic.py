@@ -7,8 +7,8 @@ shapes of its lifted random inputs from these expressions, evaluated on each cal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias
 
 import sympy
 import torch
@@ -31,6 +31,22 @@ def symbolic_size(size: int | torch.SymInt) -> sympy.Expr | int:
 def symbolic_dims(value: torch.Tensor) -> list[int]:
     """The dimensions of ``value`` whose size is symbolic."""
     return [dim for dim, size in enumerate(value.shape) if not isinstance(symbolic_size(size), int)]
+
+
+def tensor_devices(values: Iterable[Any]) -> set[torch.device]:
+    """The devices a graph with example inputs ``values`` computes on.
+
+    A 0-dim CPU tensor counts only where no tensor lives elsewhere: PyTorch lets such a tensor take part in the
+    ops of any device, and TorchDynamo passes the Python floats it does not specialise (``dynamic=True``: a
+    ``LayerNorm``'s ``eps``) as 0-dim float64 CPU tensors beside a CUDA model's tensors.
+
+    Example:
+        >>> tensor_devices([torch.ones(2), torch.tensor(1e-5, dtype=torch.float64), 3])
+        {device(type='cpu')}
+    """
+    tensors = [value for value in values if isinstance(value, torch.Tensor) and value.device.type != "meta"]
+    devices = {value.device for value in tensors if value.dim() > 0 or value.device.type != "cpu"}
+    return devices or {value.device for value in tensors}
 
 
 def is_symbolic(value: object) -> bool:

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 from torch.onnx import ONNXProgram
 
-from lightning_ort.engine.fx.dynamic import Symbols, is_symbolic, symbolic_dims
+from lightning_ort.engine.fx.dynamic import Symbols, is_symbolic, symbolic_dims, tensor_devices
 from lightning_ort.engine.fx.layout import OutputLayout, OutputSpec, normalise_outputs
 from lightning_ort.engine.fx.noise import Noise, lift_random_ops
 from lightning_ort.engine.fx.passes import placeholders_first
@@ -97,7 +97,7 @@ def export_graph(
     gm = copy_graph_module(gm)
     symbolic = any(is_symbolic(value) for value in example_inputs)
     sizes = any(isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) for value in example_inputs)
-    device = next((value.device for value in example_inputs if isinstance(value, torch.Tensor)), torch.device("cpu"))
+    device = next(iter(tensor_devices(example_inputs)), torch.device("cpu"))
     fake_mode = detect_fake_mode(example_inputs)
     dropped, carried, carrier = _inline_size_inputs(gm, example_inputs, device, fake_mode) if sizes else ((), (), None)
     tensor_inputs = [value for index, value in enumerate(example_inputs) if index not in dropped]

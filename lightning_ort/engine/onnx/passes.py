@@ -14,6 +14,8 @@
   more outputs than inputs). With fewer or as many rows the fused kernel is slower, so ONNX Runtime's own
   ``MatmulTransposeFusion``, which fuses every transposed operand, is turned off for our sessions
   (:data:`DISABLED_ORT_OPTIMIZERS`).
+* :func:`compute_cuda_bfloat16_gaps_in_float` (CUDA graphs): the ``bfloat16`` nodes of ops the CUDA provider has
+  no ``bfloat16`` kernel for computed in float32 between casts.
 * :func:`use_nchwc_convolutions` (CPU graphs): a 2-D ``Conv`` whose channel counts are multiples of the CPU's
   NCHWc block runs ONNX Runtime's blocked-layout kernel (``com.microsoft.nchwc.Conv``), its weight reordered
   inside the graph. ONNX Runtime only makes that rewrite itself for weights that are constant initializers,
@@ -226,6 +228,71 @@ def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
         for name, renamed in in_float.items()
     )
     _set_nodes(graph, nodes)
+    return moved
+
+
+CUDA_FLOAT_ONLY_OPS = frozenset(
+    {
+        "Ceil", "Clip", "ConvTranspose", "Cos", "CumSum", "DepthToSpace", "Einsum", "Elu", "Equal", "Floor",
+        "GlobalAveragePool", "GlobalMaxPool", "Greater", "GreaterOrEqual", "InstanceNormalization", "LRN",
+        "LeakyRelu", "Less", "LessOrEqual", "Log", "LogSoftmax", "MaxPool", "PRelu", "Pad", "Reciprocal",
+        "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin",
+        "ReduceProd", "ReduceSumSquare", "Resize", "Round", "Selu", "Sin", "Softplus", "Softsign", "SpaceToDepth",
+        "ThresholdedRelu", "TopK",
+    }
+)  # fmt: skip
+"""Standard ops for which ONNX Runtime's CUDA provider has float32 and float16 kernels but no ``bfloat16`` one
+(its OperatorKernels table, opset 13 and later)."""
+
+
+def compute_cuda_bfloat16_gaps_in_float(model: onnx.ModelProto) -> int:
+    """Run the ``bfloat16`` nodes of ops in :data:`CUDA_FLOAT_ONLY_OPS` in float32, in place: their ``bfloat16``
+    inputs are cast to float32 and their ``bfloat16`` outputs computed in float32 and cast back: rounded once, as
+    PyTorch's CUDA kernels, which accumulate in float32, round them. Without this, ONNX Runtime cannot place
+    such a node (under autocast, a ``log_softmax`` left in ``bfloat16``) and the op runs in PyTorch. Returns the
+    number of nodes moved.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.BFLOAT16, [2, 4])
+        >>> y = helper.make_tensor_value_info("y", onnx.TensorProto.BFLOAT16, [2, 4])
+        >>> model = helper.make_model(helper.make_graph([helper.make_node("LogSoftmax", ["x"], ["y"])], "g", [x], [y]))
+        >>> compute_cuda_bfloat16_gaps_in_float(model), [n.op_type for n in model.graph.node]
+        (1, ['Cast', 'LogSoftmax', 'Cast'])
+    """
+    graph = model.graph
+    values = _values(graph)
+    bf16, float32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+
+    def is_bf16(name: str) -> bool:
+        return bool(name) and name in values and values[name].elem_type == bf16
+
+    nodes: list[onnx.NodeProto] = []
+    widened: list[tuple[str, str]] = []
+    moved = 0
+    for node in graph.node:
+        if node.op_type not in CUDA_FLOAT_ONLY_OPS or not _in_default_domain(node) or not any(map(is_bf16, node.input)):
+            nodes.append(node)
+            continue
+        moved += 1
+        for index, name in enumerate(node.input):
+            if is_bf16(name):
+                cast = f"{node.name or node.output[0]}_in{index}_float"
+                nodes.append(helper.make_node("Cast", [name], [cast], f"{cast}_cast", to=float32))
+                node.input[index] = cast
+                widened.append((cast, name))
+        back = []
+        for index, name in enumerate(node.output):
+            if is_bf16(name):
+                computed = f"{name}_float"
+                node.output[index] = computed
+                back.append(helper.make_node("Cast", [computed], [name], f"{computed}_cast", to=bf16))
+                widened.append((computed, name))
+        nodes += [node, *back]
+    if moved:
+        graph.value_info.extend(
+            helper.make_tensor_value_info(name, float32, list(values[source].dims)) for name, source in widened
+        )
+        _set_nodes(graph, nodes)
     return moved
 
 
@@ -1013,6 +1080,7 @@ PASSES = (
     OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, _CPU),
     OnnxPass("row sums as products", sum_rows_by_product, _CPU),
     OnnxPass("integer pads as concatenations", pad_by_concat, _CUDA),
+    OnnxPass("bfloat16 ops without a CUDA kernel computed in float32", compute_cuda_bfloat16_gaps_in_float, _CUDA),
     OnnxPass("reshapes removed", collapse_reshapes),
     OnnxPass("unused initializers dropped", drop_unused_initializers),
 )

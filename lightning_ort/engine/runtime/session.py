@@ -24,6 +24,7 @@ import torch
 from lightning_ort.engine.fx.dynamic import evaluate
 from lightning_ort.engine.fx.layout import OutputSpec
 from lightning_ort.engine.once import Once
+from lightning_ort.engine.onnx.constant_outputs import ConstantSplit, split_constant_outputs
 from lightning_ort.engine.onnx.export import ExportedGraph, save_model
 from lightning_ort.engine.onnx.passes import DISABLED_ORT_OPTIMIZERS
 from lightning_ort.engine.ort_internals import (
@@ -37,6 +38,7 @@ from lightning_ort.engine.ort_internals import (
 from lightning_ort.engine.runtime.cuda_graph import CapturedGraphs, capture_provider_options, capture_refusal
 from lightning_ort.engine.runtime.cuda_memory import cuda_provider_options, cuda_session_config
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
+from lightning_ort.engine.torch_internals import unset_fake_temporarily
 from lightning_ort.errors import CudaGraphWarning, SessionError, first_line, warn
 from lightning_ort.logs import get_logger
 from lightning_ort.options import DebugOptions, LogLevel, SessionSettings
@@ -169,12 +171,14 @@ class GraphSession:
             options.enable_profiling = True
             options.profile_file_prefix = str(debug.profile_prefix(graph.name))
         self._profiling = debug.profile
+        model, self._constants = _split_constants(graph, device)
+        self._output_specs = [spec for i, spec in enumerate(graph.outputs) if i not in self._constants]
         captures = _captures(graph, device, settings)
         capture = torch.cuda.Stream(device) if captures and device.type == "cuda" else None
         providers = providers_for(device, settings, capture)
         if captures:
             try:
-                self._session = self._create(graph, options, providers)
+                self._session = self._create(model, options, providers)
             except Exception as err:
                 _warn_uncaptured(graph, f"ONNX Runtime refused it ({first_line(err)})")
                 captures, capture = False, None
@@ -184,7 +188,7 @@ class GraphSession:
                 if device.type == "cuda":
                     for key, value in cuda_session_config(settings.cuda_memory, _device_index(device)).items():
                         options.add_session_config_entry(key, value)
-                self._session = self._create(graph, options, providers)
+                self._session = self._create(model, options, providers)
         except Exception as err:
             raise SessionError(
                 f"ONNX Runtime could not load the {graph.name} graph with providers {_names(providers)}: {err}\n"
@@ -203,7 +207,7 @@ class GraphSession:
         self._captured = None
         if captures:
             self._captured = CapturedGraphs(
-                self._run_session, self._input_names, self._output_names, graph.outputs, device, capture, _bind
+                self._run_session, self._input_names, self._output_names, self._output_specs, device, capture, _bind
             )
             # A run beside the captured graphs (more parameter sets than they hold) must not count towards the
             # capture of graph 0, the default id.
@@ -215,10 +219,10 @@ class GraphSession:
 
     @staticmethod
     def _create(
-        graph: ExportedGraph, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, str]]]
+        model: onnx.ModelProto, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, str]]]
     ) -> ort.InferenceSession:
         return ort.InferenceSession(
-            graph.model.SerializeToString(),
+            model.SerializeToString(),
             sess_options=options,
             providers=providers,
             disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
@@ -263,7 +267,7 @@ class GraphSession:
         if self._captured is not None:
             replayed = self._replay(inputs)
             if replayed is not None:
-                return graph.layout.place(replayed, inputs, env)
+                return graph.layout.place(self._with_constants(replayed), inputs, env)
         binding = SessionIOBinding(self._run_session)
         for name, tensor in zip(self._input_names, inputs):
             _bind(binding.bind_input, name, tensor)
@@ -283,8 +287,18 @@ class GraphSession:
         self._last_run_s = time.perf_counter() - start
         self.runs += 1
         if outputs is None:
-            outputs = _from_onnx_runtime(binding.get_outputs(), graph.outputs)
-        return graph.layout.place(outputs, inputs, env)
+            outputs = _from_onnx_runtime(binding.get_outputs(), self._output_specs)
+        return graph.layout.place(self._with_constants(outputs), inputs, env)
+
+    def _with_constants(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``outputs`` with the graph's input-independent outputs put back in their places, each call's a copy of
+        its own (autograd may accumulate into a gradient in place)."""
+        if not self._constants:
+            return outputs
+        outputs = list(outputs)
+        for position, value in self._constants.items():
+            outputs.insert(position, value.clone())
+        return outputs
 
     def _replay(self, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Run the captured graph for ``inputs`` (see :class:`CapturedGraphs`); ``None`` when it holds no room
@@ -338,11 +352,41 @@ class GraphSession:
             return None
         outputs = [
             torch.empty(tuple(evaluate(size, env) for size in spec.shape), dtype=spec.dtype, device=self._device)
-            for spec in self._graph.outputs
+            for spec in self._output_specs
         ]
         for name, tensor in zip(self._output_names, outputs):
             _bind(binding.bind_output, name, tensor)
         return outputs
+
+
+def _split_constants(graph: ExportedGraph, device: torch.device) -> tuple[onnx.ModelProto, dict[int, torch.Tensor]]:
+    """The model the session runs: ``graph``'s, less the outputs that depend on no input (see
+    :mod:`~lightning_ort.engine.onnx.constant_outputs`), which are computed here once, on the CPU provider, and
+    returned by position (ascending) on ``device``. Where they cannot be computed apart, the model is whole."""
+    split = split_constant_outputs(graph.model)
+    if split is None:
+        return graph.model, {}
+    try:  # sessions are made while TorchDynamo compiles, under its fake tensor mode
+        with unset_fake_temporarily():
+            constants = _compute_constants(split, [graph.outputs[position] for position in split.positions], device)
+    except Exception as err:
+        log.debug("the %s graph keeps its constant outputs: %s", graph.name, first_line(err))
+        return graph.model, {}
+    log.debug("the %s graph's outputs %s are constants, computed once", graph.name, split.positions)
+    return split.graph, constants
+
+
+def _compute_constants(split: ConstantSplit, specs: list[OutputSpec], device: torch.device) -> dict[int, torch.Tensor]:
+    """The values of ``split``'s constant outputs by position, computed on the CPU provider, on ``device``."""
+    session = ort.InferenceSession(split.constants.SerializeToString(), providers=["CPUExecutionProvider"])
+    run_session = pybind_session(session)
+    binding = SessionIOBinding(run_session)
+    cpu = _ort_device(torch.device("cpu"))
+    for output in session.get_outputs():
+        binding.bind_output(output.name, cpu)
+    run_session.run_with_iobinding(binding, None)
+    values = _from_onnx_runtime(binding.get_outputs(), specs)
+    return {position: value.to(device, copy=True) for position, value in zip(split.positions, values)}
 
 
 def _captures(graph: ExportedGraph, device: torch.device, settings: SessionSettings) -> bool:
