@@ -336,6 +336,22 @@ def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: 
     assert "is not a row" in capsys.readouterr().err
 
 
+def test_breakdown_reports_each_runtimes_step_and_where_its_host_time_goes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["breakdown", "--device", "cpu", "--workload", "mlp", "--steps", "2", "--warmup", "0"]
+    report = bench.main([*args, "--runtime", "ort/cuda_graph=on"])
+    assert [run.runtime for run in report.runs] == ["eager", "ort/cuda_graph=on"]
+    for run in report.runs:
+        assert run.wall_ms > 0 and run.device_ms is None, "no device time on CPU"
+        assert run.launches == 0 and not run.waits and not run.copies
+        assert len(run.top_host) == 8 and all(calls > 0 and ms >= 0 for _, calls, ms in run.top_host)
+    eager, ort = ([name for name, _, _ in run.top_host] for run in report.runs)
+    assert "CompiledFunction" in ort and "CompiledFunctionBackward" in ort, "ORTModule's graphs ran"
+    assert "aten::mm" in eager and "CompiledFunction" not in eager
+    out = capsys.readouterr().out
+    assert "mlp; fp32; median of 2 steps; counts from torch.profiler over 2 more steps" in out
+    assert "ort/cuda_graph=on: host time per step" in out
+
+
 def test_a_runtime_that_fails_is_reported_and_the_table_goes_on(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,6 +47,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
+from lightning_ort.bench.breakdown import BreakdownReport, break_down
 from lightning_ort.bench.conv import LAYERS, ConvReport, run_conv_study
 from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
@@ -404,7 +405,7 @@ def inductor_cache(cold: bool) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-STUDIES = ("run", "depth", "shapes", "fsdp", "memory", "table", "conv")
+STUDIES = ("run", "depth", "shapes", "fsdp", "memory", "table", "conv", "breakdown")
 """The sub-commands; ``run`` (the workloads) is the default."""
 
 
@@ -412,8 +413,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     """Command-line entry point; returns the report it printed (the study's own report type).
 
     ``python -m lightning_ort.bench [run] ...`` times the workloads; ``depth LAYERS...``, ``shapes LENGTH...``,
-    ``fsdp RANKS``, ``memory [ROUTE...]``, ``table`` and ``conv`` run the studies. Without a sub-command the arguments
-    are ``run``'s.
+    ``fsdp RANKS``, ``memory [ROUTE...]``, ``table``, ``conv`` and ``breakdown`` run the studies. Without a
+    sub-command the arguments are ``run``'s.
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     if not arguments or (arguments[0] not in STUDIES and arguments[0] not in ("-h", "--help")):
@@ -447,6 +448,12 @@ def main(argv: Sequence[str] | None = None) -> Report:
         memory = run_memory_study(workload, routes, device, args.steps, args.precision, args.attention)
         machine = _machine(args, device)
         return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
+    if args.study == "breakdown":
+        (workload,) = build_workloads([args.workload], [], device)
+        runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or ["ort"] if r != "eager")]
+        steps = break_down(workload, runtimes, device, args.steps, args.warmup, args.precision)
+        machine = _machine(args, device)
+        return _emit(BreakdownReport(**machine, runs=steps, workload=workload.name, precision=args.precision), args)
     if args.study == "table":
         default = TABLE_RUNTIMES if device.type == "cuda" else RUNTIMES
         runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or default if r != "eager")]
@@ -512,7 +519,9 @@ def build_workloads(names: Sequence[str] | None, modules: Sequence[str], device:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_ort.bench", description=__doc__)
-    studies = parser.add_subparsers(dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory,table,conv}")
+    studies = parser.add_subparsers(
+        dest="study", required=True, metavar="{run,depth,shapes,fsdp,memory,table,conv,breakdown}"
+    )
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
@@ -618,6 +627,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"repeatable; default: {' '.join(TABLE_ROWS)}",
     )
     table.add_argument("--tiny", action="store_true", help="GPT-2 with 2 layers of width 64 on 2x32 tokens (dry run)")
+
+    breakdown = studies.add_parser(
+        "breakdown",
+        parents=[shared, timed],
+        help="where a step's time goes, per runtime (default: eager and ort): wall time, device-kernel time, "
+        "kernel launches, the host's waits for the device and its copies per step, the costliest host operations",
+    )
+    breakdown.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer", help="default: transformer")
+    breakdown.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
 
     conv = studies.add_parser(
         "conv",

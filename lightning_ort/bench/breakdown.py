@@ -1,0 +1,132 @@
+"""Where a training step's time goes: ``python -m lightning_ort.bench breakdown``.
+
+For each runtime (eager first), after warm-up: the median wall time of a step, then, from ``torch.profiler`` over
+a few more steps, the time the device spent in kernels per step (ONNX Runtime's kernels run in this process
+and are counted too), the kernel launches and the host's waits for the device (stream, device and event
+synchronisations) and copies per step, and the host operations that took the most time. A step whose device
+time is well under its wall time leaves the GPU idle: the host is launching, or waiting where it need not.
+
+Every step of the study synchronises the device twice (to time it) and reads the loss once (``.item()``):
+eager's row shows that baseline.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from typing_extensions import override
+
+from lightning_ort.bench.report import Report
+from lightning_ort.bench.runtimes import warmed_runner
+from lightning_ort.bench.workloads import Workload
+
+PROFILED_STEPS = 2
+"""Steps recorded by the profiler per runtime (after the timed ones); its counts are per step."""
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+"""The host calls that launch device work."""
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+"""The host calls that wait for the device."""
+COPIES = ("cudaMemcpy", "cudaMemcpyAsync")
+"""The host calls that copy between host and device memory (or within the device)."""
+
+
+@dataclass
+class StepBreakdown:
+    """One runtime's step: wall time, device-kernel time (``None`` on CPU), and per step the launches, waits
+    and copies by host call, and the host operations that took the most time (name, calls, ms)."""
+
+    runtime: str
+    wall_ms: float
+    device_ms: float | None
+    launches: int
+    waits: dict[str, int] = field(default_factory=dict)
+    copies: dict[str, int] = field(default_factory=dict)
+    top_host: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+def break_down(
+    workload: Workload, runtimes: Sequence[str], device: torch.device, steps: int, warmup: int, precision: str
+) -> list[StepBreakdown]:
+    """Each of ``runtimes`` on ``workload``, one after another: ``steps`` timed steps, then the profiled ones.
+
+    Example:
+        >>> from lightning_ort.bench.workloads import WORKLOADS
+        >>> (run,) = break_down(WORKLOADS["mlp"](torch.device("cpu")), ["eager"], torch.device("cpu"), 1, 0, "fp32")
+        >>> run.runtime, run.device_ms, run.wall_ms > 0
+        ('eager', None, True)
+    """
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    results = []
+    for name in runtimes:
+        runner = warmed_runner(name, workload, device, precision, warmup)
+        wall_ms = statistics.median(runner.step() * 1e3 for _ in range(steps))
+        with profile(activities=activities) as profiler:
+            for _ in range(PROFILED_STEPS):
+                runner.step()
+        events = profiler.key_averages()
+        host = [event for event in events if event.device_type == torch.autograd.DeviceType.CPU]
+        calls = {event.key: event.count for event in host}
+        per_step = {key: round(count / PROFILED_STEPS) for key, count in calls.items()}
+        device_ms = None
+        if device.type == "cuda":
+            kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+            device_ms = sum(event.self_device_time_total for event in kernels) / 1e3 / PROFILED_STEPS
+        top = sorted(host, key=lambda event: -event.self_cpu_time_total)[:8]
+        results.append(
+            StepBreakdown(
+                name,
+                wall_ms,
+                device_ms,
+                sum(per_step.get(key, 0) for key in LAUNCHES),
+                {key: per_step[key] for key in WAITS if per_step.get(key)},
+                {key: per_step[key] for key in COPIES if per_step.get(key)},
+                [(e.key, e.count / PROFILED_STEPS, e.self_cpu_time_total / 1e3 / PROFILED_STEPS) for e in top],
+            )
+        )
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def format_breakdown(runs: Sequence[StepBreakdown]) -> list[str]:
+    """The study's table and, per runtime, its top host operations."""
+    lines = [f"{'runtime':<28}{'wall ms':>9}{'device ms':>11}{'busy':>7}{'launches':>10}  waits / copies per step"]
+    for run in runs:
+        if run.device_ms is not None:
+            device = f"{run.device_ms:>11.2f}{run.device_ms / run.wall_ms:>7.0%}"
+        else:
+            device = f"{'-':>11}{'-':>7}"
+        waits = ", ".join(f"{key} {count}" for key, count in {**run.waits, **run.copies}.items()) or "-"
+        lines.append(f"{run.runtime:<28}{run.wall_ms:>9.2f}{device}{run.launches:>10}  {waits}")
+    for run in runs:
+        lines += ["", f"{run.runtime}: host time per step"]
+        lines += [f"  {name[:60]:<60}{calls:>8.0f} calls{ms:>9.2f} ms" for name, calls, ms in run.top_host]
+    return lines
+
+
+@dataclass
+class BreakdownReport(Report):
+    """The ``breakdown`` study: each runtime's step on ``workload`` under ``precision``."""
+
+    runs: list[StepBreakdown] = field(default_factory=list)
+    workload: str = ""
+    precision: str = "fp32"
+
+    @override
+    def conditions(self) -> list[str]:
+        return [
+            self.workload,
+            self.precision,
+            *super().conditions(),
+            f"counts from torch.profiler over {PROFILED_STEPS} more steps",
+        ]
+
+    @override
+    def body(self) -> list[str]:
+        return format_breakdown(self.runs)
