@@ -135,8 +135,9 @@ class ORTModule(nn.Module):
             times the output gradient. ``"auto"`` (default): on CPU, a dense convolution whose kernel needs the
             unfolded input, on images of more than 16 positions, takes its weight gradient from PyTorch's own
             kernel (oneDNN), about twice as fast there, as one op after the ONNX Runtime backward graph, which
-            hands it the output gradient; everything else (the input gradients, smaller images, 1x1 and
-            depthwise kernels, CUDA) stays in the graphs. ``"onnx"``: every weight gradient in the graphs.
+            hands it the output gradient; on CUDA, every dense convolution takes cuDNN's kernel; everything else
+            (the input gradients, smaller CPU images, 1x1 and depthwise kernels) stays in the graphs. ``"onnx"``:
+            every weight gradient in the graphs.
             ``"torch"``: every (non-transposed) convolution's weight gradient in PyTorch. Like ``attention``,
             these ops run by request: no warning, also under ``fallback="raise"``.
 

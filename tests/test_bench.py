@@ -251,7 +251,7 @@ def test_the_command_line_is_one_sub_command_per_study_with_no_hidden_options(
 ) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--help"])
-    assert "{run,depth,shapes,fsdp,memory,table,conv}" in capsys.readouterr().out
+    assert "{run,depth,shapes,fsdp,memory,table,conv,breakdown}" in capsys.readouterr().out
     for study in bench.STUDIES:
         with pytest.raises(SystemExit):
             bench.main([study, "--help"])

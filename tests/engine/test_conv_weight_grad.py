@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -114,14 +115,18 @@ def test_the_weight_gradient_stays_one_op_asking_for_the_weight_alone() -> None:
         (16, 1, 0, 1, "cpu", False),  # pointwise: a strided slice and one product
         (16, 1, 1, 1, "cpu", True),  # padded 1x1: unfolded
         (16, 3, 1, 4, "cpu", False),  # depthwise: NCHWc convolutions
-        (16, 3, 1, 1, "meta", False),  # not CPU: not measured, stays in the graphs
+        (4, 3, 1, 1, "cuda", True),  # CUDA: cuDNN's kernel for every dense layer
+        (16, 1, 0, 1, "cuda", True),
+        (16, 3, 1, 4, "cuda", False),  # depthwise on CUDA: not measured, stays in the graphs
+        (16, 3, 1, 1, "meta", False),  # neither CPU nor CUDA: stays in the graphs
     ],
 )
 def test_auto_chooses_pytorch_where_the_graph_would_unfold_a_large_image(
     size: int, kernel: int, padding: int, groups: int, device: str, expected: bool
 ) -> None:
-    images = torch.empty(2, 4, size, size, device=device)
-    weight = torch.empty(4, 4 // groups, kernel, kernel, device=device)
+    with FakeTensorMode():  # CUDA tensors without a GPU: only their device and sizes are read
+        images = torch.empty(2, 4, size, size, device=device)
+        weight = torch.empty(4, 4 // groups, kernel, kernel, device=device)
     assert weight_grad_in_torch(images, weight, [padding] * 2, groups, "auto") is expected
     assert weight_grad_in_torch(images, weight, [padding] * 2, groups, "torch")
     assert not weight_grad_in_torch(images, weight, [padding] * 2, groups, "onnx")
