@@ -336,6 +336,22 @@ def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: 
     assert "is not a row" in capsys.readouterr().err
 
 
+def test_ort_blocks_auto_runs_block_graphs_as_the_strategies_do() -> None:
+    """The Lightning timing's plain loop must build what ``Trainer(strategy="ort")`` builds by default."""
+    from lightning_ort import ORTModule
+    from lightning_ort.bench.runtimes import Runner
+
+    device = torch.device("cpu")
+    workload = bench_workloads.WORKLOADS["transformer"](device)
+    built = {}
+    for name in ("ort", "ort/blocks=auto", "ort/blocks=none"):
+        runner = Runner(name, workload, device)
+        runner.step()
+        assert isinstance(runner.model, ORTModule)
+        built[name] = runner.model.statistics.block_graphs
+    assert built["ort"] == built["ort/blocks=none"] == 0 and built["ort/blocks=auto"] > 0
+
+
 def test_breakdown_reports_each_runtimes_step_and_where_its_host_time_goes(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["breakdown", "--device", "cpu", "--workload", "mlp", "--steps", "2", "--warmup", "0"]
     report = bench.main([*args, "--runtime", "ort/cuda_graph=on"])

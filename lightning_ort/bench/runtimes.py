@@ -37,6 +37,7 @@ ORT_VARIANTS = {
     "attention": ATTENTION_PATHS,
     "cuda_graph": ("on", "off"),
     "conv_weight_grad": CONV_WEIGHT_GRADS,
+    "blocks": ("auto", "none"),
 }
 """The ORTModule options a runtime name may set: ``ort/cuda_memory=shared_arena/attention=torch``."""
 
@@ -100,7 +101,12 @@ class Runner:
             weight_grad = cast(ConvWeightGrad, variant.get("conv_weight_grad", "auto"))
             settings = SessionSettings(cuda_memory=memory, cuda_graph=variant.get("cuda_graph") == "on")
             self.model = ORTModule(
-                model, debug_options, session_settings=settings, attention=attention, conv_weight_grad=weight_grad
+                model,
+                debug_options,
+                session_settings=settings,
+                blocks="auto" if variant.get("blocks") == "auto" else None,
+                attention=attention,
+                conv_weight_grad=weight_grad,
             )
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.autocast_dtype = PRECISIONS[precision]
