@@ -247,3 +247,28 @@ def test_graphs_with_symbolic_sizes_run_uncaptured_and_say_why() -> None:
     with pytest.warns(CudaGraphWarning, match="symbolic"):
         wrapped(torch.randint(0, 64, (2, 16), device="cuda")).sum().backward()
     assert wrapped.statistics.forward_runs == 1
+
+
+def test_onnx_runtime_runs_on_pytorchs_default_stream_without_waiting_for_the_gpu() -> None:
+    """PyTorch's default stream has handle 0, which ONNX Runtime reads as no stream given: it then ran on a stream
+    of its own and synchronised it at the end of every run (an H100 profile counted one wait per run). On the
+    default stream, a training step leaves the host free to run ahead of the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    wrapped = ORTModule(CausalLM().cuda())
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    for _ in range(2):
+        wrapped(ids).float().logsumexp(-1).mean().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(2):
+            wrapped(ids).float().logsumexp(-1).mean().backward()
+    torch.cuda.synchronize()
+    waits = {
+        event.key: event.count
+        for event in profiler.key_averages()
+        if event.key.startswith(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"))
+    }
+    assert not waits, waits
+    assert wrapped.statistics.forward_runs == 4 and wrapped.statistics.backward_runs == 4

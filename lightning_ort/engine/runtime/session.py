@@ -67,6 +67,24 @@ _ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
 }
 
 
+CUDA_STREAM_LEGACY = 1
+"""``cudaStreamLegacy``: the handle that names CUDA's legacy default stream, which PyTorch's default stream is
+(handle 0 there). ONNX Runtime reads a ``user_compute_stream`` of 0 as none given: it then runs on a stream of
+its own and synchronises that stream at the end of every run. Given this handle, it runs on PyTorch's default
+stream, ordered with PyTorch's kernels, and nothing waits for the GPU."""
+
+
+def stream_handle(stream: Any) -> int:
+    """The ``user_compute_stream`` that makes ONNX Runtime run on ``stream``, a ``torch.cuda.Stream``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> stream_handle(SimpleNamespace(cuda_stream=0)), stream_handle(SimpleNamespace(cuda_stream=94021))
+        (1, 94021)
+    """
+    return int(stream.cuda_stream) or CUDA_STREAM_LEGACY
+
+
 def providers_for(
     device: torch.device, settings: SessionSettings, capture: torch.cuda.Stream | None = None
 ) -> list[str | tuple[str, dict[str, str]]]:
@@ -76,7 +94,7 @@ def providers_for(
         stream = capture if capture is not None else torch.cuda.current_stream(device)
         options = {
             "device_id": str(_device_index(device)),
-            "user_compute_stream": str(stream.cuda_stream),
+            "user_compute_stream": str(stream_handle(stream)),
             "use_tf32": "1" if torch_allows_tf32_matmul() else "0",
             **(capture_provider_options() if capture is not None else cuda_provider_options(settings.cuda_memory)),
         }
@@ -405,12 +423,16 @@ def _warn_uncaptured(graph: ExportedGraph, reason: str) -> None:
     warn(f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: {reason}.", CudaGraphWarning)
 
 
-def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.cuda.ExternalStream | None:
-    """The CUDA stream a session was told to run on (``user_compute_stream``), or ``None`` without one."""
+def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.cuda.Stream | None:
+    """The CUDA stream a session was told to run on (``user_compute_stream``; PyTorch's default stream for
+    :data:`CUDA_STREAM_LEGACY`), or ``None`` without one."""
     for provider in providers:
         if not isinstance(provider, str) and "user_compute_stream" in provider[1]:
             options = provider[1]
-            return torch.cuda.ExternalStream(int(options["user_compute_stream"]), device=int(options["device_id"]))
+            handle, device = int(options["user_compute_stream"]), int(options["device_id"])
+            if handle == CUDA_STREAM_LEGACY:
+                return torch.cuda.default_stream(device)
+            return torch.cuda.ExternalStream(handle, device=device)
     return None
 
 
