@@ -36,6 +36,7 @@ from lightning_ort.bench.runtimes import (
     warmed_runner,
 )
 from lightning_ort.bench.workloads import WORKLOADS, Workload, gpt2_workload
+from lightning_ort.errors import first_line
 
 TABLE_ROWS = ("transformer/fp32", "mlp/fp32", "cnn/fp32", "gpt2/fp32", "gpt2/bf16")
 """The rows the table runs by default, as ``WORKLOAD/PRECISION``."""
@@ -178,8 +179,8 @@ def format_table(rows: Sequence[TableRow]) -> list[str]:
 
 
 def _first_line(message: str, width: int = 160) -> str:
-    """The first line of ``message``, cut to ``width`` characters."""
-    line = message.strip().splitlines()[0] if message.strip() else ""
+    """The first line of ``message`` (:func:`~lightning_ort.errors.first_line`), cut to ``width`` characters."""
+    line = first_line(message)
     return line if len(line) <= width else line[: width - 3] + "..."
 
 

@@ -218,7 +218,7 @@ class GraphSession:
         self._run_session = pybind_session(self._session)
         self._input_names = [i.name for i in self._session.get_inputs()]
         self._output_names = [o.name for o in self._session.get_outputs()]
-        self._stream = _session_stream(providers)
+        self._stream = _session_stream(providers, device, capture)
         self._unsynchronized = ort.RunOptions()
         self._unsynchronized.add_run_config_entry("disable_synchronize_execution_providers", "1")
         self._synchronized: ort.RunOptions | None = None
@@ -423,17 +423,14 @@ def _warn_uncaptured(graph: ExportedGraph, reason: str) -> None:
     warn(f"lightning_ort: the {graph.name} graph runs without CUDA graph capture: {reason}.", CudaGraphWarning)
 
 
-def _session_stream(providers: list[str | tuple[str, dict[str, str]]]) -> torch.cuda.Stream | None:
-    """The CUDA stream a session was told to run on (``user_compute_stream``; PyTorch's default stream for
-    :data:`CUDA_STREAM_LEGACY`), or ``None`` without one."""
-    for provider in providers:
-        if not isinstance(provider, str) and "user_compute_stream" in provider[1]:
-            options = provider[1]
-            handle, device = int(options["user_compute_stream"]), int(options["device_id"])
-            if handle == CUDA_STREAM_LEGACY:
-                return torch.cuda.default_stream(device)
-            return torch.cuda.ExternalStream(handle, device=device)
-    return None
+def _session_stream(
+    providers: list[str | tuple[str, dict[str, str]]], device: torch.device, capture: torch.cuda.Stream | None
+) -> torch.cuda.Stream | None:
+    """The CUDA stream the session runs on: ``capture`` for a captured graph, else PyTorch's current stream, which
+    :func:`providers_for` named to ONNX Runtime; ``None`` without the CUDA provider."""
+    if device.type != "cuda" or "CUDAExecutionProvider" not in _names(providers):
+        return None
+    return capture if capture is not None else torch.cuda.current_stream(device)
 
 
 def _from_onnx_runtime(values: OrtValueVector, specs: Sequence[OutputSpec]) -> list[torch.Tensor]:
