@@ -360,12 +360,26 @@ def test_breakdown_reports_each_runtimes_step_and_where_its_host_time_goes(capsy
         assert run.wall_ms > 0 and run.device_ms is None, "no device time on CPU"
         assert run.launches == 0 and not run.waits and not run.copies
         assert len(run.top_host) == 8 and all(calls > 0 and ms >= 0 for _, calls, ms in run.top_host)
+        assert run.top_device == [], "no device kernels on CPU"
     eager, ort = ([name for name, _, _ in run.top_host] for run in report.runs)
     assert "CompiledFunction" in ort and "CompiledFunctionBackward" in ort, "ORTModule's graphs ran"
     assert "aten::mm" in eager and "CompiledFunction" not in eager
     out = capsys.readouterr().out
     assert "mlp; fp32; median of 2 steps; counts from torch.profiler over 2 more steps" in out
     assert "ort/cuda_graph=on: host time per step" in out
+    assert "device time per step" not in out
+
+
+def test_breakdown_lists_each_runtimes_slowest_device_kernels() -> None:
+    from lightning_ort.bench.breakdown import StepBreakdown, format_breakdown
+
+    kernels = [("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", 12, 1.25)]
+    eager = StepBreakdown("eager", 10.0, 9.0, 40, top_host=[("aten::mm", 8, 0.5)], top_device=kernels)
+    lines = format_breakdown([eager, StepBreakdown("ort", 12.0, 11.0, 30)])
+    assert "eager: device time per step" in lines and "ort: device time per step" not in lines
+    (row,) = [line for line in lines if "GeluCUDAKernelImpl" in line]
+    assert row.split()[0].startswith("at::native::vectorized_elementwise_kernel"), "the return type is dropped"
+    assert row.split()[-4:] == ["12", "calls", "1.25", "ms"]
 
 
 def test_a_runtime_that_fails_is_reported_and_the_table_goes_on(

@@ -3,8 +3,10 @@
 For each runtime (eager first), after warm-up: the median wall time of a step, then, from ``torch.profiler`` over
 a few more steps, the time the device spent in kernels per step (ONNX Runtime's kernels run in this process
 and are counted too), the kernel launches and the host's waits for the device (stream, device and event
-synchronisations) and copies per step, and the host operations that took the most time. A step whose device
-time is well under its wall time leaves the GPU idle: the host is launching, or waiting where it need not.
+synchronisations) and copies per step, the host operations that took the most time and, on CUDA, the kernels
+that took the most device time (PyTorch's and ONNX Runtime's alike, by kernel name). A step whose device time is
+well under its wall time leaves the GPU idle: the host is launching, or waiting where it need not; a runtime
+whose device time exceeds eager's runs slower kernels, or more of them, and its kernel list says which.
 
 Every step of the study synchronises the device twice (to time it) and reads the loss once (``.item()``):
 eager's row shows that baseline.
@@ -25,6 +27,10 @@ from lightning_ort.bench.runtimes import warmed_runner
 from lightning_ort.bench.workloads import Workload
 
 PROFILED_STEPS = 2
+TOP = 8
+"""Host operations, and device kernels, listed per runtime."""
+KERNEL_NAME_CHARS = 90
+"""A kernel's name is cut to this many characters (template arguments make them long)."""
 """Steps recorded by the profiler per runtime (after the timed ones); its counts are per step."""
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -38,7 +44,8 @@ COPIES = ("cudaMemcpy", "cudaMemcpyAsync")
 @dataclass
 class StepBreakdown:
     """One runtime's step: wall time, device-kernel time (``None`` on CPU), and per step the launches, waits
-    and copies by host call, and the host operations that took the most time (name, calls, ms)."""
+    and copies by host call, the host operations that took the most time and the device kernels that did (each
+    as name, calls per step, ms per step; no kernels on CPU)."""
 
     runtime: str
     wall_ms: float
@@ -47,6 +54,7 @@ class StepBreakdown:
     waits: dict[str, int] = field(default_factory=dict)
     copies: dict[str, int] = field(default_factory=dict)
     top_host: list[tuple[str, float, float]] = field(default_factory=list)
+    top_device: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def break_down(
@@ -72,11 +80,12 @@ def break_down(
         host = [event for event in events if event.device_type == torch.autograd.DeviceType.CPU]
         calls = {event.key: event.count for event in host}
         per_step = {key: round(count / PROFILED_STEPS) for key, count in calls.items()}
+        kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
         device_ms = None
         if device.type == "cuda":
-            kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
             device_ms = sum(event.self_device_time_total for event in kernels) / 1e3 / PROFILED_STEPS
-        top = sorted(host, key=lambda event: -event.self_cpu_time_total)[:8]
+        top = sorted(host, key=lambda event: -event.self_cpu_time_total)[:TOP]
+        top_kernels = sorted(kernels, key=lambda event: -event.self_device_time_total)[:TOP]
         results.append(
             StepBreakdown(
                 name,
@@ -86,6 +95,10 @@ def break_down(
                 {key: per_step[key] for key in WAITS if per_step.get(key)},
                 {key: per_step[key] for key in COPIES if per_step.get(key)},
                 [(e.key, e.count / PROFILED_STEPS, e.self_cpu_time_total / 1e3 / PROFILED_STEPS) for e in top],
+                [
+                    (e.key, e.count / PROFILED_STEPS, e.self_device_time_total / 1e3 / PROFILED_STEPS)
+                    for e in top_kernels
+                ],
             )
         )
         del runner
@@ -95,7 +108,13 @@ def break_down(
 
 
 def format_breakdown(runs: Sequence[StepBreakdown]) -> list[str]:
-    """The study's table and, per runtime, its top host operations."""
+    """The study's table and, per runtime, its top host operations and device kernels.
+
+    Example:
+        >>> run = StepBreakdown("ort", 10.0, 8.0, 12, top_device=[("void ampere_sgemm_128x64_nn", 4, 3.5)])
+        >>> format_breakdown([run])[-1].split()
+        ['ampere_sgemm_128x64_nn', '4', 'calls', '3.50', 'ms']
+    """
     lines = [f"{'runtime':<28}{'wall ms':>9}{'device ms':>11}{'busy':>7}{'launches':>10}  waits / copies per step"]
     for run in runs:
         if run.device_ms is not None:
@@ -107,7 +126,18 @@ def format_breakdown(runs: Sequence[StepBreakdown]) -> list[str]:
     for run in runs:
         lines += ["", f"{run.runtime}: host time per step"]
         lines += [f"  {name[:60]:<60}{calls:>8.0f} calls{ms:>9.2f} ms" for name, calls, ms in run.top_host]
+        if run.top_device:
+            lines += ["", f"{run.runtime}: device time per step"]
+            lines += [
+                f"  {_kernel_name(name):<{KERNEL_NAME_CHARS}}{calls:>8.0f} calls{ms:>9.2f} ms"
+                for name, calls, ms in run.top_device
+            ]
     return lines
+
+
+def _kernel_name(name: str) -> str:
+    """A kernel's name without its return type, cut to :data:`KERNEL_NAME_CHARS` characters."""
+    return name.removeprefix("void ")[:KERNEL_NAME_CHARS]
 
 
 @dataclass
