@@ -96,7 +96,7 @@ def test_report_marks_an_ort_row_that_ran_in_pytorch() -> None:
 
     ort_row = row("the whole model ran in PyTorch (ONNX Runtime could not build its graphs; see the warning)")
     result = bench.WorkloadResult("mlp", 1.0, 5.0, {"eager": row(), "ort": ort_row}, 0.0)
-    report = bench.BenchReport("cpu", "2.13", "1.31", 2, 100.0, 1, [result], None)
+    report = bench.BenchReport("cpu", "2.13", "1.31", 2, "glibc's default heap", 100.0, 1, [result], None)
     lines = report.format().splitlines()
     marked = [i for i, line in enumerate(lines) if "not all ONNX Runtime" in line]
     assert len(marked) == 1 and lines[marked[0] - 1].split()[1] == "ort"
@@ -109,7 +109,7 @@ def test_report_columns_fit_long_workload_names_and_short_steps() -> None:
 
     name = "my_package.models:small_factory"
     result = bench.WorkloadResult(name, 0.0, 0.0643, {"eager": row(0.9123), "ort": row(1.314)}, 0.0)
-    report = bench.BenchReport("cpu", "2.13", "1.31", 2, 100.0, 1, [result], None)
+    report = bench.BenchReport("cpu", "2.13", "1.31", 2, "glibc's default heap", 100.0, 1, [result], None)
     header, eager, ort = report.format().splitlines()[3:6]
     assert eager.index("eager") == ort.index("ort") == header.index("runtime")
     assert eager.split()[2:4] == ["0.912", "1.00x"] and ort.split()[2] == "1.31"
@@ -139,11 +139,45 @@ def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
     assert 0 < profile.kernel_ms <= profile.run_ms
     assert 0 <= profiled.outside_ort_ms < profiled.step_ms
     printed = capsys.readouterr().out
+    assert printed.startswith("lightning_ort benchmark on cpu (") and "threads, heap keeps freed memory)" in printed
     assert "ORT profile of tests.test_bench:tiny_workload, per step" in printed
     assert "Tanh" in printed and "(outside kernels)" in printed and "nodes run" in printed
     saved = json.loads(out.read_text())["profiles"][0]
     assert saved["profile"]["runs"] == 6
     assert {Path(f) for f in saved["profile"]["files"]} == set(profile.files)
+
+
+_PAGE_FAULTS_PER_BLOCK = """
+import ctypes, resource, sys
+from lightning_ort.bench.heap import apply_heap_setting
+print(apply_heap_setting(sys.argv[1]))
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+size = 64 << 20
+def fill_and_free():
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(ctypes.c_void_p(block))
+fill_and_free()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    fill_and_free()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc thresholds")
+def test_a_kept_heap_serves_a_freed_block_again_without_page_faults() -> None:
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    faults = {}
+    for setting in ("keep", "default"):
+        run = subprocess.run(
+            [sys.executable, "-c", _PAGE_FAULTS_PER_BLOCK, setting], capture_output=True, text=True, check=True
+        )
+        state, per_block = run.stdout.split("\n")[:2]
+        faults[state] = int(per_block)
+    assert faults["heap keeps freed memory"] < pages // 100, faults
+    assert faults["glibc's default heap"] > pages // 2, "glibc hands a 64 MiB block back when it is freed"
 
 
 @pytest.mark.slow

@@ -23,11 +23,12 @@ def peak_cells(peak_mib: float | None, eager_mib: float | None) -> str:
 
 @dataclass
 class Report:
-    """The machine a study ran on, and the steps each of its figures is the median of.
+    """The machine a study ran on, how its process allocates host memory (:mod:`lightning_ort.bench.heap`),
+    and the steps each of its figures is the median of.
 
     Example:
-        >>> print(Report("cpu", "2.13.0", "1.31.1", 2, 210.0, 20).format())
-        lightning_ort benchmark on cpu (2 threads), torch 2.13.0, onnxruntime 1.31.1
+        >>> print(Report("cpu", "2.13.0", "1.31.1", 2, "heap keeps freed memory", 210.0, 20).format())
+        lightning_ort benchmark on cpu (2 threads, heap keeps freed memory), torch 2.13.0, onnxruntime 1.31.1
         matrix-product rate: 210 GFLOP/s (torch.mm 2048x2048, this run); median of 20 steps
         <BLANKLINE>
     """
@@ -36,6 +37,7 @@ class Report:
     torch_version: str
     onnxruntime_version: str
     threads: int
+    heap: str
     matmul_gflops: float
     steps: int
 
@@ -50,7 +52,8 @@ class Report:
     def format(self) -> str:
         """The report as the command prints it."""
         header = [
-            f"lightning_ort benchmark on {self.device} ({self.threads} threads), torch {self.torch_version}, "
+            f"lightning_ort benchmark on {self.device} ({self.threads} threads, {self.heap}), "
+            f"torch {self.torch_version}, "
             f"onnxruntime {self.onnxruntime_version}",
             f"matrix-product rate: {self.matmul_gflops:.0f} GFLOP/s (torch.mm 2048x2048, this run); "
             + "; ".join(self.conditions()),

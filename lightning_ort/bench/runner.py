@@ -51,6 +51,7 @@ from lightning_ort.bench.breakdown import BreakdownReport, break_down
 from lightning_ort.bench.conv import LAYERS, ConvReport, run_conv_study
 from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
+from lightning_ort.bench.heap import HEAP_SETTINGS, apply_heap_setting
 from lightning_ort.bench.memory import MemoryReport, run_memory_study
 from lightning_ort.bench.report import Report
 from lightning_ort.bench.runtimes import (
@@ -426,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     args = parser.parse_args(arguments)
     if args.steps < 1 or getattr(args, "warmup", 0) < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    args.heap_state = apply_heap_setting(args.heap)
     device = torch.device(args.device)
     if args.study == "shapes":
         runs = run_shapes_study(args.lengths, args.layers, args.width, args.steps)
@@ -529,6 +531,13 @@ def _parser() -> argparse.ArgumentParser:
     shared.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     shared.add_argument("--steps", type=int, default=20, help="timed steps per runtime (default 20)")
     shared.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+    shared.add_argument(
+        "--heap",
+        choices=HEAP_SETTINGS,
+        default="keep",
+        help="keep: glibc's malloc keeps freed memory for reuse in this process, so that page faults on fresh "
+        "memory do not move the figures with what ran before; default: glibc as it comes (default keep)",
+    )
     sized = argparse.ArgumentParser(add_help=False)  # the studies' GPT-2 style models
     sized.add_argument("--width", type=int, default=768, help="the model's width (default 768)")
     layered = argparse.ArgumentParser(add_help=False)
@@ -670,6 +679,7 @@ def _machine(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "onnxruntime_version": onnxruntime.__version__,
         "threads": torch.get_num_threads(),
+        "heap": args.heap_state,
         "matmul_gflops": matmul_gflops(device),
         "steps": args.steps,
     }
