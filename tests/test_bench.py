@@ -116,6 +116,16 @@ def test_report_columns_fit_long_workload_names_and_short_steps() -> None:
     assert eager.split()[4] == "0.064"
 
 
+def test_report_columns_stay_apart_for_a_model_far_above_its_floor() -> None:
+    eager = bench.RuntimeResult(0.372, 1.0, 0.01, 1197.5, 9.0, [0.372])
+    ort = bench.RuntimeResult(0.818, 0.45, 1.39, 2633.4, 79.0, [0.818])
+    result = bench.WorkloadResult("tiny", 0.0, 0.00031, {"eager": eager, "ort": ort}, 0.0)
+    report = bench.BenchReport("cpu", "2.13", "1.31", 2, "glibc's default heap", 100.0, 1, [result], None)
+    header, *rows = report.format().splitlines()[3:6]
+    assert header.split()[-2:] == ["peak", "MiB"]
+    assert [row.split()[4:7] for row in rows] == [["3.1e-04", "1198x", "0.01"], ["3.1e-04", "2633x", "1.39"]]
+
+
 @pytest.mark.slow
 def test_profile_prints_kernel_time_per_op_type_and_keeps_the_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

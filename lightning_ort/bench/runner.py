@@ -344,7 +344,8 @@ def _run_tables(report: BenchReport) -> list[str]:
         for name, r in result.runtimes.items():
             lines.append(
                 f"{result.workload:<{width}}{name:<{named}}{_ms(r.step_ms):>9}{r.speedup_vs_eager:>9.2f}x"
-                f"{_ms(result.floor_ms):>10}{r.floor_ratio:>8.2f}x{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
+                f"{_ms(result.floor_ms):>10} {_ratio(r.floor_ratio):>8}"
+                f"{r.first_step_s:>14.2f}{r.peak_memory_mib:>10.0f}"
             )
             if r.pytorch_fallback:
                 lines.append(f"{'':<{width}}  ^ not all ONNX Runtime: {r.pytorch_fallback}")
@@ -376,8 +377,26 @@ def _run_tables(report: BenchReport) -> list[str]:
 
 
 def _ms(value: float) -> str:
-    """Milliseconds with three decimals below 1 ms, two below 10 ms (small models, GPUs), else one."""
+    """Milliseconds with three decimals below 1 ms, two below 10 ms (small models, GPUs), else one; in
+    scientific notation below a microsecond (the matrix-product floor of a tiny model).
+
+    Example:
+        >>> [_ms(v) for v in (123.45, 4.567, 0.0643, 0.00031)]
+        ['123.5', '4.57', '0.064', '3.1e-04']
+    """
+    if value < 1e-3:
+        return f"{value:.1e}"
     return f"{value:.3f}" if value < 1 else f"{value:.2f}" if value < 10 else f"{value:.1f}"
+
+
+def _ratio(value: float) -> str:
+    """A ratio with two decimals, or none from 100 on (a tiny model's distance to its floor).
+
+    Example:
+        >>> _ratio(1.2345), _ratio(31061.4)
+        ('1.23x', '31061x')
+    """
+    return f"{value:.2f}x" if value < 100 else f"{value:.0f}x"
 
 
 @contextlib.contextmanager
