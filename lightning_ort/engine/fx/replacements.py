@@ -1,16 +1,18 @@
 """Replacements of ``torch.nn.functional`` calls in TorchDynamo's graphs, before AOTAutograd traces them.
 
 Some functions trace into ATen ops that export badly: SDPA's fused kernels have backward ops with no ONNX
-translation, ``F.multi_head_attention_forward`` splits heads with many layout copies, and ``F.dropout``'s mask
-is drawn by ONNX's own generator. :func:`substitute_functions` points each such call at its replacement here:
-:func:`attention` (SDPA's math path written with plain ops), :func:`multi_head_attention`, and :func:`dropout`
-(the input times a one-byte keep mask drawn by one random op, :func:`dropout_keep`, which the export lifts out
-as an input drawn in PyTorch, scaled in the graph).
+translation, ``F.multi_head_attention_forward`` splits heads with many layout copies, ``F.dropout``'s mask
+is drawn by ONNX's own generator, and ``F.cross_entropy``'s gradient is built from a scattered one-hot tensor
+in seven passes over the class scores. :func:`substitute_functions` points each such call at its replacement
+here: :func:`attention` (SDPA's math path written with plain ops), :func:`multi_head_attention`,
+:func:`dropout` (the input times a one-byte keep mask drawn by one random op, :func:`dropout_keep`, which the
+export lifts out as an input drawn in PyTorch, scaled in the graph) and :func:`cross_entropy`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.fx
@@ -244,13 +246,92 @@ def multi_head_attention(
     return torch.nn.functional.linear(merged, out_proj_weight, out_proj_bias).transpose(0, 1), None
 
 
+_EAGER_CROSS_ENTROPY = torch.nn.functional.cross_entropy
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """``F.cross_entropy`` whose gradient over class scores ``[rows, classes]`` takes three passes over them.
+
+    ATen's gradient (``nll_loss_backward``, then ``_log_softmax_backward_data``) scatters the loss's gradient
+    into a zero tensor of the scores' size, scales it, sums it per row, and subtracts the softmax times that
+    sum: seven nodes over a tensor that a language model's vocabulary makes the largest of the step. It equals
+    ``(softmax - one_hot) * g`` per row, which :class:`_ClassScoresCrossEntropy` computes as the exponential of
+    the saved log-softmax (the tensor ATen saves too), scaled per row, with ``g`` subtracted at each target by
+    one ``scatter_add``. Other calls (class weights, label smoothing, probability targets, more than two
+    dimensions, ``reduction="none"``) are ``F.cross_entropy`` itself.
+
+    Example:
+        >>> scores = torch.randn(4, 5, requires_grad=True)
+        >>> target = torch.tensor([1, -100, 4, 0])
+        >>> ours, = torch.autograd.grad(cross_entropy(scores, target), scores)
+        >>> theirs, = torch.autograd.grad(torch.nn.functional.cross_entropy(scores, target), scores)
+        >>> torch.allclose(ours, theirs, atol=1e-7)
+        True
+    """
+    plain = (
+        input.dim() == 2
+        and target.dim() == 1
+        and not target.dtype.is_floating_point
+        and input.dtype in (torch.float32, torch.float64)
+        and weight is None
+        and size_average is None
+        and reduce is None
+        and reduction in ("mean", "sum")
+        and label_smoothing == 0.0
+    )
+    if not plain:
+        return _EAGER_CROSS_ENTROPY(
+            input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+        )
+    loss: torch.Tensor = _ClassScoresCrossEntropy.apply(input, target, ignore_index, reduction == "mean")
+    return loss
+
+
+class _ClassScoresCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of scores ``[rows, classes]`` against class indices, its gradient in three passes."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        scores: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int,
+        mean: bool,
+    ) -> torch.Tensor:
+        log_probs = torch.log_softmax(scores, 1)
+        kept = target != ignore_index
+        index = torch.where(kept, target, 0).unsqueeze(1)
+        losses = torch.where(kept, -log_probs.gather(1, index).squeeze(1), 0.0)
+        count = kept.sum().to(scores.dtype)
+        ctx.mean = mean
+        ctx.save_for_backward(log_probs, index, kept, count)
+        return losses.sum() / count if mean else losses.sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        log_probs, index, kept, count = ctx.saved_tensors
+        per_row = torch.where(kept, grad / count if ctx.mean else grad, 0.0).unsqueeze(1)
+        return (log_probs.exp() * per_row).scatter_add(1, index, -per_row), None, None, None
+
+
 def substitute_functions(gm: torch.fx.GraphModule, attention_path: AttentionPath = "onnx") -> int:
     """Replace calls of ``torch.nn.functional`` functions whose traced form exports badly, in place.
 
     SDPA's fused kernels have backward ops with no ONNX translation (:func:`attention` is its math path; with
     ``attention_path="torch"`` SDPA stays, to run in PyTorch between ONNX Runtime partitions),
-    ``F.multi_head_attention_forward`` splits heads with many layout copies (:func:`multi_head_attention`), and
-    ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`). Returns the calls replaced.
+    ``F.multi_head_attention_forward`` splits heads with many layout copies (:func:`multi_head_attention`),
+    ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`), and ``F.cross_entropy``'s
+    gradient takes three passes over the class scores instead of seven (:func:`cross_entropy`). Returns the
+    calls replaced.
 
     Example:
         >>> gm = torch.fx.symbolic_trace(lambda x: torch.nn.functional.dropout(x, 0.1))
@@ -273,4 +354,5 @@ _SUBSTITUTES = {
     torch.nn.functional.scaled_dot_product_attention: attention,
     torch.nn.functional.multi_head_attention_forward: multi_head_attention,
     torch.nn.functional.dropout: dropout,
+    torch.nn.functional.cross_entropy: cross_entropy,
 }
