@@ -27,11 +27,11 @@ from lightning_ort.bench.runtimes import warmed_runner
 from lightning_ort.bench.workloads import Workload
 
 PROFILED_STEPS = 2
+"""Steps recorded by the profiler per runtime (after the timed ones); its counts are per step."""
 TOP = 8
 """Host operations, and device kernels, listed per runtime."""
 KERNEL_NAME_CHARS = 90
 """A kernel's name is cut to this many characters (template arguments make them long)."""
-"""Steps recorded by the profiler per runtime (after the timed ones); its counts are per step."""
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 """The host calls that launch device work."""

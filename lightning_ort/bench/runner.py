@@ -663,7 +663,8 @@ def _parser() -> argparse.ArgumentParser:
         "breakdown",
         parents=[shared, timed],
         help="where a step's time goes, per runtime (default: eager and ort): wall time, device-kernel time, "
-        "kernel launches, the host's waits for the device and its copies per step, the costliest host operations",
+        "kernel launches, the host's waits for the device and its copies per step, the costliest host operations "
+        "and, on CUDA, the kernels that took the most device time",
     )
     breakdown.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer", help="default: transformer")
     breakdown.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
