@@ -474,15 +474,15 @@ def main(argv: Sequence[str] | None = None) -> Report:
         return _emit(MemoryReport(**machine, memory=memory, workload=workload.name, precision=args.precision), args)
     if args.study == "breakdown":
         (workload,) = build_workloads([args.workload], [], device)
-        runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or ["ort"] if r != "eager")]
+        runtimes = _with_eager(args.runtime or ["ort"])
         steps = break_down(workload, runtimes, device, args.steps, args.warmup, args.precision)
         machine = _machine(args, device)
         return _emit(BreakdownReport(**machine, runs=steps, workload=workload.name, precision=args.precision), args)
     if args.study == "table":
         default = TABLE_RUNTIMES if device.type == "cuda" else RUNTIMES
-        runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or default if r != "eager")]
+        runtimes = _with_eager(args.runtime or default)
         return _emit(run_table_study(args, runtimes, device), args)
-    runtimes = ["eager", *dict.fromkeys(r for r in args.runtime or RUNTIMES if r != "eager")]
+    runtimes = _with_eager(args.runtime or RUNTIMES)
     workloads = build_workloads(args.workload, args.module, device)
     machine = _machine(args, device)
     with inductor_cache(cold=not args.warm_inductor_cache):
@@ -515,6 +515,16 @@ def main(argv: Sequence[str] | None = None) -> Report:
         profiles=profiles,
     )
     return _emit(report, args)
+
+
+def _with_eager(runtimes: Sequence[str]) -> list[str]:
+    """``runtimes`` once each, after eager, which every study compares with.
+
+    Example:
+        >>> _with_eager(["ort", "eager", "inductor", "ort"])
+        ['eager', 'ort', 'inductor']
+    """
+    return ["eager", *dict.fromkeys(name for name in runtimes if name != "eager")]
 
 
 def run_table_study(args: argparse.Namespace, runtimes: Sequence[str], device: torch.device) -> TableReport:

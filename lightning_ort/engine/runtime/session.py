@@ -91,10 +91,9 @@ def providers_for(
     """Execution providers for a graph whose tensors live on ``device``; on CUDA, ``capture`` is the stream of a
     session whose graph is captured as a CUDA graph (see :mod:`~lightning_ort.engine.runtime.cuda_graph`)."""
     if device.type == "cuda":
-        stream = capture if capture is not None else torch.cuda.current_stream(device)
         options = {
             "device_id": str(_device_index(device)),
-            "user_compute_stream": str(stream_handle(stream)),
+            "user_compute_stream": str(stream_handle(_run_stream(device, capture))),
             "use_tf32": "1" if torch_allows_tf32_matmul() else "0",
             **(capture_provider_options() if capture is not None else cuda_provider_options(settings.cuda_memory)),
         }
@@ -426,10 +425,15 @@ def _warn_uncaptured(graph: ExportedGraph, reason: str) -> None:
 def _session_stream(
     providers: list[str | tuple[str, dict[str, str]]], device: torch.device, capture: torch.cuda.Stream | None
 ) -> torch.cuda.Stream | None:
-    """The CUDA stream the session runs on: ``capture`` for a captured graph, else PyTorch's current stream, which
-    :func:`providers_for` named to ONNX Runtime; ``None`` without the CUDA provider."""
+    """The CUDA stream the session runs on (:func:`_run_stream`, which :func:`providers_for` named to ONNX
+    Runtime); ``None`` without the CUDA provider."""
     if device.type != "cuda" or "CUDAExecutionProvider" not in _names(providers):
         return None
+    return _run_stream(device, capture)
+
+
+def _run_stream(device: torch.device, capture: torch.cuda.Stream | None) -> torch.cuda.Stream:
+    """``capture`` for a session whose graph is captured, else PyTorch's current stream on ``device``."""
     return capture if capture is not None else torch.cuda.current_stream(device)
 
 
