@@ -34,10 +34,12 @@ from lightning_ort.engine.capture.build import (
     op_count,
     warn_fallback,
 )
+from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
 from lightning_ort.engine.fx.decompositions import capture_decompositions
 from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
+from lightning_ort.engine.runtime.cpu_kernels import batch_norm_kernels
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,
     aot_autograd,
@@ -133,6 +135,8 @@ class CapturedGraph:
         start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
         attention_path = self._options.attention
         substitute_functions(self._gm, attention_path)
+        if self._device.type == "cpu" and fusable_batch_norms(self._gm) and batch_norm_kernels() is not None:
+            fuse_batch_norms(self._gm)
         backend = aot_autograd(
             fw_compiler=self._graph_compiler("forward"),
             bw_compiler=self._graph_compiler("backward"),

@@ -39,6 +39,7 @@ from lightning_ort.engine.fx.layout import OutputLayout, OutputSpec, normalise_o
 from lightning_ort.engine.fx.noise import Noise, lift_random_ops
 from lightning_ort.engine.fx.passes import placeholders_first
 from lightning_ort.engine.once import Once
+from lightning_ort.engine.onnx.custom_ops import CUSTOM_TRANSLATIONS
 from lightning_ort.engine.onnx.passes import (
     PASSES,
     simplify,
@@ -157,12 +158,16 @@ def onnx_registry() -> Any:
     """The exporter's table of ONNX translations at ``torch.onnx.export``'s default opset, built once.
 
     ``torch.onnx.export`` builds it again on every call (it indexes every torchlib function); the translation
-    never changes it, so one table serves every graph of the process. Only asked for where the exporter's steps
-    are laid out as expected (:func:`~lightning_ort.engine.torch_internals.exporter_steps`).
+    never changes it, so one table serves every graph of the process. It has lightning_ort's own ops too
+    (:data:`~lightning_ort.engine.onnx.custom_ops.CUSTOM_TRANSLATIONS`). Only asked for where the exporter's
+    steps are laid out as expected (:func:`~lightning_ort.engine.torch_internals.exporter_steps`).
     """
     assert EXPORTER_STEPS is not None
     with quiet_exporter(verbose=False):
-        return EXPORTER_STEPS.registry_class.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
+        registry = EXPORTER_STEPS.registry_class.from_torchlib(opset_version=ONNX_DEFAULT_OPSET)
+    for target, translation in CUSTOM_TRANSLATIONS.items():
+        registry.register_op(target, translation)
+    return registry
 
 
 def _translate(
@@ -180,7 +185,13 @@ def _translate(
     steps = EXPORTER_STEPS
     if steps is None:
         return torch.onnx.export(
-            gm, inputs, dynamo=True, verbose=verbose, optimize=False, dynamic_shapes=dynamic_shapes
+            gm,
+            inputs,
+            dynamo=True,
+            verbose=verbose,
+            optimize=False,
+            dynamic_shapes=dynamic_shapes,
+            custom_translation_table=CUSTOM_TRANSLATIONS,
         )
     registry = onnx_registry()
     program = torch.export.export(gm, inputs, dynamic_shapes=dynamic_shapes, strict=False)

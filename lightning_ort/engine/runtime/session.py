@@ -35,6 +35,7 @@ from lightning_ort.engine.ort_internals import (
     failing_nodes,
     pybind_session,
 )
+from lightning_ort.engine.runtime.cpu_kernels import register_kernels
 from lightning_ort.engine.runtime.cuda_graph import CapturedGraphs, capture_provider_options, capture_refusal
 from lightning_ort.engine.runtime.cuda_memory import cuda_provider_options, cuda_session_config
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
@@ -201,6 +202,7 @@ class GraphSession:
                 captures, capture = False, None
                 providers = providers_for(device, settings)
         try:
+            register_kernels(options, model)
             if not captures:
                 if device.type == "cuda":
                     for key, value in cuda_session_config(settings.cuda_memory, _device_index(device)).items():

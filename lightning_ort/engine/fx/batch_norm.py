@@ -1,0 +1,258 @@
+"""Training-mode batch norm, and a ReLU right after it, as two fused ONNX Runtime kernels on CPU.
+
+ONNX has no training-mode batch norm, and the public onnxruntime wheel no training kernels, so its standard form
+is a chain of separate nodes: the means, the centred input and its square, ``BatchNormalization`` with the batch
+statistics and ``Relu`` in the forward; about nine in the backward (the ReLU mask, two sums, the scaled
+difference). Each is a full pass over the activation; for convolutional nets they take as long as the
+convolutions. lightning_ort's own CPU kernels (``engine/runtime/batch_norm_kernels.cpp``) take two passes each
+way: the per-channel sums, then the elementwise result.
+
+:func:`fuse_batch_norms` points TorchDynamo's ``F.batch_norm`` calls in training mode, together with an
+``F.relu`` that is their only consumer, at :func:`batch_norm_training`: an autograd function over two PyTorch
+ops, :data:`BATCH_NORM_TRAINING` and :data:`BATCH_NORM_TRAINING_BACKWARD`, which the export translates to the
+kernels (:mod:`lightning_ort.engine.onnx.custom_ops`). Their PyTorch implementations compute the same values,
+for a graph that runs in PyTorch. The running statistics are updated in the graph, as ``F.batch_norm`` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx
+from torch.nn import functional as F
+
+
+def _channel_dims(input: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The reduction dims of a batch norm over ``input`` (all but channels) and the shape a per-channel vector
+    broadcasts with."""
+    return [0, *range(2, input.dim())], [1, input.shape[1], *([1] * (input.dim() - 2))]
+
+
+@torch.library.custom_op("lightning_ort::batch_norm_training", mutates_args=())
+def batch_norm_training_op(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, relu: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch norm with the batch's statistics, then ReLU if ``relu``: ``(output, mean, var, invstd)``.
+
+    ``var`` is the biased variance, ``invstd = 1 / sqrt(var + eps)``; ``input`` is ``[N, C, ...]``, ``weight``
+    and ``bias`` are ``[C]``. ONNX Runtime runs it as ``ai.lightning_ort::BatchNormTraining``.
+
+    Example:
+        >>> x, w, b = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3)
+        >>> out, mean, var, invstd = batch_norm_training_op(x, w, b, 1e-5, True)
+        >>> torch.allclose(out, torch.relu(F.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)), atol=1e-5)
+        True
+    """
+    dims, _ = _channel_dims(input)
+    var, mean = torch.var_mean(input, dims, correction=0)
+    invstd = torch.rsqrt(var + eps)
+    output = _normalized(input, weight, bias, mean, invstd)
+    return (output.relu() if relu else output), mean, var, invstd
+
+
+def _normalized(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> torch.Tensor:
+    """``input * a + b`` with ``a = weight * invstd`` and ``b = bias - mean * a`` per channel: the form the
+    kernels (and PyTorch's CPU kernel) compute, from which the backward recomputes the ReLU's mask."""
+    _, shape = _channel_dims(input)
+    scale = weight * invstd
+    return input * scale.reshape(shape) + (bias - mean * scale).reshape(shape)
+
+
+@batch_norm_training_op.register_fake
+def _batch_norm_training_fake(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, relu: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    channels = input.shape[1]
+    return torch.empty_like(input), input.new_empty(channels), input.new_empty(channels), input.new_empty(channels)
+
+
+@torch.library.custom_op("lightning_ort::batch_norm_training_backward", mutates_args=())
+def batch_norm_training_backward_op(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`batch_norm_training_op`'s ``output``: ``(grad_input, grad_weight, grad_bias)``.
+
+    With ``relu``, ``grad_output`` is first masked where the forward's result was not positive, which is
+    recomputed from ``input`` (so the forward's result need not be kept for it). ONNX Runtime runs it as
+    ``ai.lightning_ort::BatchNormTrainingGrad``.
+
+    Example:
+        >>> x, w, b, g = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3), torch.randn(4, 3, 5, 5)
+        >>> out, mean, _, invstd = batch_norm_training_op(x, w, b, 1e-5, True)
+        >>> grads = batch_norm_training_backward_op(g, x, w, b, mean, invstd, True)
+        >>> x_, w_, b_ = (t.clone().requires_grad_() for t in (x, w, b))
+        >>> torch.relu(F.batch_norm(x_, None, None, w_, b_, True, 0.1, 1e-5)).backward(g)
+        >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad)))
+        True
+    """
+    dims, shape = _channel_dims(input)
+    grad = grad_output.where(_normalized(input, weight, bias, mean, invstd) > 0, 0.0) if relu else grad_output
+    count = input.numel() // input.shape[1]
+    centred = input - mean.reshape(shape)
+    grad_sum = grad.sum(dims)
+    dot = (grad * centred).sum(dims)
+    projection = (dot * invstd * invstd / count).reshape(shape)
+    grad_input = (grad - (grad_sum / count).reshape(shape) - centred * projection) * (weight * invstd).reshape(shape)
+    return grad_input, dot * invstd, grad_sum
+
+
+@batch_norm_training_backward_op.register_fake
+def _batch_norm_training_backward_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    relu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight)
+
+
+BATCH_NORM_TRAINING = torch.ops.lightning_ort.batch_norm_training.default
+"""The forward op :func:`batch_norm_training` records in captured graphs."""
+
+BATCH_NORM_TRAINING_BACKWARD = torch.ops.lightning_ort.batch_norm_training_backward.default
+"""The backward op :func:`batch_norm_training` records in captured graphs."""
+
+
+class _BatchNormTraining(torch.autograd.Function):
+    """:data:`BATCH_NORM_TRAINING` forward, :data:`BATCH_NORM_TRAINING_BACKWARD` backward; the statistics are
+    not differentiable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, relu: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        output, mean, var, invstd = BATCH_NORM_TRAINING(input, weight, bias, eps, relu)
+        ctx.relu = relu
+        ctx.save_for_backward(input, weight, bias, mean, invstd)
+        ctx.mark_non_differentiable(mean, var)
+        return output, mean, var
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        input, weight, bias, mean, invstd = ctx.saved_tensors
+        grads = BATCH_NORM_TRAINING_BACKWARD(grad_output, input, weight, bias, mean, invstd, ctx.relu)
+        return *grads, None, None
+
+
+def batch_norm_training(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    relu: bool,
+) -> torch.Tensor:
+    """``F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)``, then ``relu`` if
+    asked, as the fused ops; the running statistics are updated in place as PyTorch updates them (the unbiased
+    variance).
+
+    Example:
+        >>> x, mean, var = torch.randn(4, 3, 5, 5), torch.zeros(3), torch.ones(3)
+        >>> out = batch_norm_training(x, mean, var, None, None, 0.1, 1e-5, relu=False)
+        >>> torch.allclose(mean, 0.1 * x.mean((0, 2, 3)), atol=1e-6)
+        True
+    """
+    channels = input.shape[1]
+    scale = weight if weight is not None else torch.ones(channels, dtype=input.dtype, device=input.device)
+    shift = bias if bias is not None else torch.zeros(channels, dtype=input.dtype, device=input.device)
+    output, mean, var = _BatchNormTraining.apply(input, scale, shift, eps, relu)
+    count = input.numel() // channels
+    if running_mean is not None:
+        running_mean.copy_(momentum * mean + (1 - momentum) * running_mean)
+    if running_var is not None:
+        running_var.copy_(var * (momentum * count / max(count - 1, 1)) + (1 - momentum) * running_var)
+    return output
+
+
+_BATCH_NORM_SIGNATURE = inspect.signature(F.batch_norm)
+_RELUS = (F.relu, torch.relu, torch.relu_)
+
+
+def _fusable_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
+    """``F.batch_norm``'s arguments at ``node``, where the fused ops compute it: training mode with a float
+    momentum, a float32 CPU input of 3 or more dims, float32 affine parameters (or none)."""
+    if node.op != "call_function" or node.target is not F.batch_norm:
+        return None
+    bound = _BATCH_NORM_SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    if arguments["training"] is not True or type(arguments["momentum"]) is not float:
+        return None
+    if not isinstance(arguments["eps"], float):
+        return None
+    tensors = [arguments[name] for name in ("input", "weight", "bias")]
+    values = [t.meta.get("example_value") if isinstance(t, torch.fx.Node) else t for t in tensors]
+    if not isinstance(values[0], torch.Tensor) or values[0].dim() < 3 or values[0].device.type != "cpu":
+        return None
+    if any(not isinstance(v, torch.Tensor) or v.dtype != torch.float32 for v in values if v is not None):
+        return None
+    return arguments
+
+
+def _only_relu(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The ReLU that is ``node``'s only consumer, if one is."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    is_relu = (user.op == "call_function" and user.target in _RELUS) or (
+        user.op == "call_method" and user.target in ("relu", "relu_")
+    )
+    return user if is_relu and user.args[0] is node else None
+
+
+def fusable_batch_norms(gm: torch.fx.GraphModule) -> int:
+    """How many ``F.batch_norm`` calls of TorchDynamo's graph ``gm`` :func:`fuse_batch_norms` would replace."""
+    return sum(_fusable_arguments(node) is not None for node in gm.graph.nodes)
+
+
+def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
+    """Point ``gm``'s training-mode ``F.batch_norm`` calls (float32, on CPU, with a float momentum) at
+    :func:`batch_norm_training`, with the ``F.relu`` that alone consumes one; returns the calls replaced.
+
+    Example:
+        >>> graph = torch.fx.Graph()
+        >>> x = graph.placeholder("x")
+        >>> x.meta["example_value"] = torch.empty(2, 3, 4, 4)
+        >>> normed = graph.call_function(F.batch_norm, (x, None, None, None, None, True, 0.1, 1e-5))
+        >>> _ = graph.output(graph.call_function(F.relu, (normed,)))
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        >>> fuse_batch_norms(gm), [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+        (1, ['batch_norm_training'])
+    """
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        arguments = _fusable_arguments(node)
+        if arguments is None:
+            continue
+        relu = _only_relu(node)
+        last = relu if relu is not None else node
+        with gm.graph.inserting_after(last):
+            fused = gm.graph.call_function(
+                batch_norm_training,
+                tuple(arguments[name] for name in ("input", "running_mean", "running_var", "weight", "bias")),
+                {"momentum": arguments["momentum"], "eps": arguments["eps"], "relu": relu is not None},
+            )
+        fused.meta = dict(last.meta)
+        last.replace_all_uses_with(fused)
+        if relu is not None:
+            gm.graph.erase_node(relu)
+        gm.graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced

@@ -1,0 +1,70 @@
+"""ONNX translations of lightning_ort's own PyTorch ops, as nodes of its ONNX Runtime kernels.
+
+The ops of :mod:`lightning_ort.engine.fx.batch_norm` become nodes of the ``ai.lightning_ort`` domain, which
+ONNX Runtime runs with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`. The exporter's
+translations are onnxscript functions; each node here is an onnxscript op with its own schema, which is not
+registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import onnxscript
+from onnx.defs import OpSchema
+
+from lightning_ort.engine.fx.batch_norm import BATCH_NORM_TRAINING, BATCH_NORM_TRAINING_BACKWARD
+
+DOMAIN = "ai.lightning_ort"
+"""The ONNX domain of lightning_ort's ONNX Runtime kernels."""
+
+_OPSET = onnxscript.values.Opset(DOMAIN, 1)
+
+
+def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, OpSchema.AttrType]) -> Any:
+    """An onnxscript op ``DOMAIN::name`` on float32 tensors."""
+    schema = OpSchema(
+        name,
+        DOMAIN,
+        1,
+        inputs=[OpSchema.FormalParameter(input, "T") for input in inputs],
+        outputs=[OpSchema.FormalParameter(output, "T") for output in outputs],
+        type_constraints=[("T", ["tensor(float)"], "float32 only")],
+        attributes=[OpSchema.Attribute(attribute, kind, "") for attribute, kind in attributes.items()],
+    )
+    return onnxscript.values.Op(_OPSET, name, schema)
+
+
+_BATCH_NORM_TRAINING = _op(
+    "BatchNormTraining",
+    ["X", "scale", "B"],
+    ["Y", "mean", "var", "invstd"],
+    {"epsilon": OpSchema.AttrType.FLOAT, "relu": OpSchema.AttrType.INT},
+)
+_BATCH_NORM_TRAINING_GRAD = _op(
+    "BatchNormTrainingGrad",
+    ["dY", "X", "scale", "B", "mean", "invstd"],
+    ["dX", "dscale", "dB"],
+    {"relu": OpSchema.AttrType.INT},
+)
+
+
+def batch_norm_training(input: Any, weight: Any, bias: Any, eps: float, relu: bool) -> Any:
+    """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING` as one ``BatchNormTraining`` node."""
+    return _BATCH_NORM_TRAINING(input, weight, bias, epsilon=eps, relu=int(relu))
+
+
+def batch_norm_training_backward(
+    grad_output: Any, input: Any, weight: Any, bias: Any, mean: Any, invstd: Any, relu: bool
+) -> Any:
+    """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING_BACKWARD` as one ``BatchNormTrainingGrad``
+    node."""
+    return _BATCH_NORM_TRAINING_GRAD(grad_output, input, weight, bias, mean, invstd, relu=int(relu))
+
+
+CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
+    BATCH_NORM_TRAINING: batch_norm_training,
+    BATCH_NORM_TRAINING_BACKWARD: batch_norm_training_backward,
+}
+"""The exporter's translations of lightning_ort's own ops (``custom_translation_table``)."""

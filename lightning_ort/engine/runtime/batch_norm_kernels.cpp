@@ -1,0 +1,542 @@
+// ONNX Runtime CPU kernels for training-mode batch normalization, optionally followed by ReLU.
+//
+// The public onnxruntime wheel has no training kernels, so a batch norm in training mode is otherwise exported
+// as separate ONNX nodes (means, centring, squares, BatchNormalization, Relu; and about nine for the gradient),
+// each one a full pass over the activation. These two kernels take two passes each: the per-channel sums, then
+// the elementwise result.
+//
+//   ai.lightning_ort::BatchNormTraining(X, scale, bias) -> (Y, mean, var, invstd)
+//       attributes: epsilon (float), relu (int, 0 or 1). var is the biased batch variance.
+//   ai.lightning_ort::BatchNormTrainingGrad(dY, X, scale, bias, mean, invstd) -> (dX, dscale, dbias)
+//       attributes: relu. With relu, dY is masked where the forward's output was not positive, which is
+//       recomputed from X: the forward's output need not be kept for it.
+//
+// X is [N, C, spatial...] float32, contiguous; the statistics are per channel over N and the spatial dims,
+// accumulated in double. Work is split by channel over the session's intra-op thread pool.
+//
+// The wheel ships no C API header, so the part of ONNX Runtime's C ABI used here is declared below: the API
+// table is read by position. RegisterCustomOps checks one entry of known result (GetBuildInfoString) before it
+// registers anything, and fails the session's creation with a message otherwise.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+extern "C" {
+struct OrtStatus;
+struct OrtValue;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtTensorTypeAndShapeInfo;
+
+struct OrtApiBase {
+  const void* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+// OrtCustomOp as of API version 16: the version-1 callbacks, input/output characteristics, memory types,
+// variadic arities, and the status-returning CreateKernelV2 / KernelComputeV2.
+struct OrtCustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const OrtCustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const OrtCustomOp*);
+  const char* (*GetExecutionProviderType)(const OrtCustomOp*);
+  int (*GetInputType)(const OrtCustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const OrtCustomOp*);
+  int (*GetOutputType)(const OrtCustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const OrtCustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
+  int (*GetInputMemoryType)(const OrtCustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
+  int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
+  OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+};
+}
+
+namespace {
+
+constexpr uint32_t kApiVersion = 17;
+constexpr uint32_t kCustomOpVersion = 16;
+constexpr int kFloat = 1;             // ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+constexpr int kInvalidArgument = 2;   // ORT_INVALID_ARGUMENT
+constexpr int kFail = 1;              // ORT_FAIL
+constexpr int kRequired = 0;          // INPUT_OUTPUT_REQUIRED
+constexpr int kMemTypeDefault = 0;    // OrtMemTypeDefault
+constexpr const char* kDomain = "ai.lightning_ort";
+
+// Positions in the OrtApi table (onnxruntime_c_api.h, ORT_API_VERSION 17 and later).
+enum ApiEntry : size_t {
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttributeFloat = 85,
+  kKernelInfoGetAttributeInt64 = 86,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kGetBuildInfoString = 254,
+  kKernelContextParallelFor = 274,
+};
+
+// The API table and typed calls through it.
+class Api {
+ public:
+  explicit Api(const void* table) : table_(static_cast<void* const*>(table)) {}
+
+  template <typename Fn>
+  Fn at(ApiEntry entry) const {
+    return reinterpret_cast<Fn>(table_[entry]);
+  }
+
+  OrtStatus* error(int code, const std::string& message) const {
+    return at<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, message.c_str());
+  }
+
+  void release(OrtStatus* status) const { at<void (*)(OrtStatus*)>(kReleaseStatus)(status); }
+
+ private:
+  void* const* table_;
+};
+
+const Api* api = nullptr;
+
+// Returns early from the enclosing function with `call`'s status when it is an error.
+// The elementwise loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one for the CPU.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KERNEL_CLONES
+#endif
+
+#define RETURN_IF_ERROR(call)            \
+  do {                                   \
+    OrtStatus* status_ = (call);         \
+    if (status_ != nullptr) return status_; \
+  } while (0)
+
+struct Tensor {
+  float* data = nullptr;
+  int64_t dims[8] = {};
+  size_t rank = 0;
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (size_t i = 0; i < rank; ++i) n *= dims[i];
+    return n;
+  }
+};
+
+OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out) {
+  const OrtValue* value = nullptr;
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(
+      context, index, &value));
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(
+      value, &info));
+  OrtStatus* status = api->at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(
+      info, &out->rank);
+  if (status == nullptr && out->rank > 8) status = api->error(kInvalidArgument, "tensors of rank > 8");
+  if (status == nullptr)
+    status = api->at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(
+        info, out->dims, out->rank);
+  api->at<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  RETURN_IF_ERROR(status);
+  void* data = nullptr;
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(value),
+                                                                                       &data));
+  out->data = static_cast<float*>(data);
+  return nullptr;
+}
+
+OrtStatus* make_output(OrtKernelContext* context, size_t index, const int64_t* dims, size_t rank, float** out) {
+  OrtValue* value = nullptr;
+  RETURN_IF_ERROR(
+      api->at<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+          context, index, dims, rank, &value));
+  void* data = nullptr;
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(value, &data));
+  *out = static_cast<float*>(data);
+  return nullptr;
+}
+
+OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size_t), size_t total, void* data) {
+  return api->at<OrtStatus* (*)(OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContextParallelFor)(context, fn, total, total, data);
+}
+
+// [N, C, S] view of a batch-norm input, S the product of the spatial dims.
+struct Layout {
+  int64_t batch = 0, channels = 0, spatial = 1;
+};
+
+OrtStatus* channel_layout(const Tensor& x, const char* op, Layout* layout) {
+  if (x.rank < 2) return api->error(kInvalidArgument, std::string(op) + ": X must have rank >= 2 ([N, C, ...])");
+  layout->batch = x.dims[0];
+  layout->channels = x.dims[1];
+  layout->spatial = 1;
+  for (size_t i = 2; i < x.rank; ++i) layout->spatial *= x.dims[i];
+  return nullptr;
+}
+
+OrtStatus* check_channels(const Tensor& t, int64_t channels, const char* op, const char* name) {
+  if (t.rank != 1 || t.dims[0] != channels)
+    return api->error(kInvalidArgument, std::string(op) + ": " + name + " must have shape [C] = [" +
+                                            std::to_string(channels) + "]");
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Both passes normalize as y = x * a + b with a = scale * invstd and b = bias - mean * a, in float, from the
+// float statistics the forward outputs: the gradient recomputes y's sign from X (with relu) instead of reading
+// the forward's output. The library is compiled without floating-point contraction, so both compute the same y.
+
+// Sums are taken in kLanes independent float accumulators (which the compiler keeps in vector registers: a
+// single accumulator is one dependent addition per element) over runs of kRun elements, and in double across
+// runs, so float rounding stays local to a run.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRun = 512;
+
+double lane_total(const float* lanes) {
+  double total = 0.0;
+  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+// g where x * a + b > 0, else 0 (also for an infinite or NaN g, as PyTorch's ReLU gradient), as a bitwise and:
+// a conditional select of loaded values does not vectorize.
+inline float relu_masked(float g, float x, float a, float b) {
+  uint32_t bits;
+  std::memcpy(&bits, &g, sizeof bits);
+  bits &= -static_cast<uint32_t>(x * a + b > 0.0f);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+struct Affine {
+  float a, b;
+};
+
+Affine affine(float scale, float bias, float mean, float invstd) {
+  const float a = scale * invstd;
+  return {a, bias - mean * a};
+}
+
+// The forward: per-channel mean and biased variance, then y = x * a + b, clamped at 0 with relu.
+
+struct ForwardWork {
+  const float* x;
+  const float* scale;
+  const float* bias;
+  float* y;
+  float* mean;
+  float* var;
+  float* invstd;
+  Layout layout;
+  float epsilon;
+  bool relu;
+};
+
+KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
+  double total = 0.0, total_squares = 0.0;
+  int64_t start = 0;
+  for (; start + kRun <= n; start += kRun) {
+    float s[kLanes] = {}, q[kLanes] = {};
+    for (int64_t i = start; i < start + kRun; i += kLanes)
+      for (int64_t j = 0; j < kLanes; ++j) {
+        s[j] += p[i + j];
+        q[j] += p[i + j] * p[i + j];
+      }
+    total += lane_total(s);
+    total_squares += lane_total(q);
+  }
+  for (int64_t i = start; i < n; ++i) {
+    total += p[i];
+    total_squares += static_cast<double>(p[i]) * p[i];
+  }
+  *sum += total;
+  *squares += total_squares;
+}
+
+KERNEL_CLONES void plane_affine(const float* x, float* y, int64_t n, Affine f, bool relu) {
+  if (relu) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[i] * f.a + f.b;
+      y[i] = v > 0.0f ? v : 0.0f;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * f.a + f.b;
+  }
+}
+
+void forward_channel(void* data, size_t c) {
+  const ForwardWork& w = *static_cast<const ForwardWork*>(data);
+  const Layout& l = w.layout;
+  const int64_t stride = l.channels * l.spatial;
+  double sum = 0.0, squares = 0.0;
+  for (int64_t n = 0; n < l.batch; ++n) plane_sums(w.x + n * stride + c * l.spatial, l.spatial, &sum, &squares);
+  const double count = static_cast<double>(l.batch * l.spatial);
+  const double mean = sum / count;
+  const double var = std::max(squares / count - mean * mean, 0.0);
+  w.mean[c] = static_cast<float>(mean);
+  w.var[c] = static_cast<float>(var);
+  w.invstd[c] = static_cast<float>(1.0 / std::sqrt(var + static_cast<double>(w.epsilon)));
+  const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const int64_t offset = n * stride + c * l.spatial;
+    plane_affine(w.x + offset, w.y + offset, l.spatial, f, w.relu);
+  }
+}
+
+struct ForwardKernel {
+  float epsilon;
+  bool relu;
+};
+
+OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
+  const ForwardKernel& k = *static_cast<const ForwardKernel*>(kernel);
+  const char* op = "BatchNormTraining";
+  Tensor x, scale, bias;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  RETURN_IF_ERROR(read_input(context, 1, &scale));
+  RETURN_IF_ERROR(read_input(context, 2, &bias));
+  Layout layout;
+  RETURN_IF_ERROR(channel_layout(x, op, &layout));
+  RETURN_IF_ERROR(check_channels(scale, layout.channels, op, "scale"));
+  RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
+  ForwardWork work{x.data, scale.data, bias.data, nullptr, nullptr, nullptr, nullptr, layout, k.epsilon, k.relu};
+  const int64_t channels[1] = {layout.channels};
+  RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.y));
+  RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.mean));
+  RETURN_IF_ERROR(make_output(context, 2, channels, 1, &work.var));
+  RETURN_IF_ERROR(make_output(context, 3, channels, 1, &work.invstd));
+  if (x.numel() == 0) return nullptr;
+  return parallel_for(context, forward_channel, static_cast<size_t>(layout.channels), &work);
+}
+
+// The gradient: with g = dY (masked where y <= 0 with relu), per channel sum(g) and sum(g * (x - mean)), then
+// dx = (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M) * scale * invstd.
+
+struct BackwardWork {
+  const float* grad;
+  const float* x;
+  const float* scale;
+  const float* bias;
+  const float* mean;
+  const float* invstd;
+  float* grad_x;
+  float* grad_scale;
+  float* grad_bias;
+  Layout layout;
+  bool relu;
+};
+
+template <bool kRelu>
+KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, float mean, Affine f, double* sum,
+                                   double* dot) {
+  double total = 0.0, total_dot = 0.0;
+  int64_t start = 0;
+  for (; start + kRun <= n; start += kRun) {
+    float s[kLanes] = {}, d[kLanes] = {};
+    for (int64_t i = start; i < start + kRun; i += kLanes)
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const float gi = kRelu ? relu_masked(g[i + j], x[i + j], f.a, f.b) : g[i + j];
+        s[j] += gi;
+        d[j] += gi * (x[i + j] - mean);
+      }
+    total += lane_total(s);
+    total_dot += lane_total(d);
+  }
+  for (int64_t i = start; i < n; ++i) {
+    const float gi = kRelu ? relu_masked(g[i], x[i], f.a, f.b) : g[i];
+    total += gi;
+    total_dot += static_cast<double>(gi) * (x[i] - mean);
+  }
+  *sum += total;
+  *dot += total_dot;
+}
+
+template <bool kRelu>
+KERNEL_CLONES void plane_grad(const float* g, const float* x, float* out, int64_t n, float mean, Affine f,
+                              float shift, float k, float a) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = kRelu ? relu_masked(g[i], x[i], f.a, f.b) : g[i];
+    out[i] = (gi - shift - (x[i] - mean) * k) * a;
+  }
+}
+
+void backward_channel(void* data, size_t c) {
+  const BackwardWork& w = *static_cast<const BackwardWork*>(data);
+  const Layout& l = w.layout;
+  const int64_t stride = l.channels * l.spatial;
+  const float mean = w.mean[c];
+  const Affine f = affine(w.scale[c], w.bias[c], mean, w.invstd[c]);
+  double sum = 0.0, dot = 0.0;
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const int64_t offset = n * stride + c * l.spatial;
+    if (w.relu)
+      plane_grad_sums<true>(w.grad + offset, w.x + offset, l.spatial, mean, f, &sum, &dot);
+    else
+      plane_grad_sums<false>(w.grad + offset, w.x + offset, l.spatial, mean, f, &sum, &dot);
+  }
+  const double count = static_cast<double>(l.batch * l.spatial);
+  const double invstd = w.invstd[c];
+  w.grad_scale[c] = static_cast<float>(dot * invstd);
+  w.grad_bias[c] = static_cast<float>(sum);
+  const float shift = static_cast<float>(sum / count);
+  const float k = static_cast<float>(dot * invstd * invstd / count);
+  const float a = static_cast<float>(static_cast<double>(w.scale[c]) * invstd);
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const int64_t offset = n * stride + c * l.spatial;
+    if (w.relu)
+      plane_grad<true>(w.grad + offset, w.x + offset, w.grad_x + offset, l.spatial, mean, f, shift, k, a);
+    else
+      plane_grad<false>(w.grad + offset, w.x + offset, w.grad_x + offset, l.spatial, mean, f, shift, k, a);
+  }
+}
+
+struct BackwardKernel {
+  bool relu;
+};
+
+OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
+  const BackwardKernel& k = *static_cast<const BackwardKernel*>(kernel);
+  const char* op = "BatchNormTrainingGrad";
+  Tensor grad, x, scale, bias, mean, invstd;
+  RETURN_IF_ERROR(read_input(context, 0, &grad));
+  RETURN_IF_ERROR(read_input(context, 1, &x));
+  RETURN_IF_ERROR(read_input(context, 2, &scale));
+  RETURN_IF_ERROR(read_input(context, 3, &bias));
+  RETURN_IF_ERROR(read_input(context, 4, &mean));
+  RETURN_IF_ERROR(read_input(context, 5, &invstd));
+  Layout layout;
+  RETURN_IF_ERROR(channel_layout(x, op, &layout));
+  if (grad.numel() != x.numel())
+    return api->error(kInvalidArgument, std::string(op) + ": dY and X must have the same shape");
+  RETURN_IF_ERROR(check_channels(scale, layout.channels, op, "scale"));
+  RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
+  RETURN_IF_ERROR(check_channels(mean, layout.channels, op, "mean"));
+  RETURN_IF_ERROR(check_channels(invstd, layout.channels, op, "invstd"));
+  BackwardWork work{grad.data, x.data,  scale.data, bias.data, mean.data, invstd.data,
+                    nullptr,   nullptr, nullptr,    layout,    k.relu};
+  const int64_t channels[1] = {layout.channels};
+  RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
+  RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.grad_scale));
+  RETURN_IF_ERROR(make_output(context, 2, channels, 1, &work.grad_bias));
+  if (x.numel() == 0) {
+    for (int64_t c = 0; c < layout.channels; ++c) work.grad_scale[c] = work.grad_bias[c] = 0.0f;
+    return nullptr;
+  }
+  return parallel_for(context, backward_channel, static_cast<size_t>(layout.channels), &work);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Op definitions.
+
+OrtStatus* read_relu(const OrtKernelInfo* info, bool* relu) {
+  int64_t value = 0;
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(
+      info, "relu", &value));
+  *relu = value != 0;
+  return nullptr;
+}
+
+struct OpDefinition : OrtCustomOp {
+  const char* name;
+  size_t inputs;
+  size_t outputs;
+};
+
+OrtStatus* create_forward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
+  ForwardKernel k{};
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(
+      info, "epsilon", &k.epsilon));
+  RETURN_IF_ERROR(read_relu(info, &k.relu));
+  *kernel = new ForwardKernel(k);
+  return nullptr;
+}
+
+OrtStatus* create_backward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
+  BackwardKernel k{};
+  RETURN_IF_ERROR(read_relu(info, &k.relu));
+  *kernel = new BackwardKernel(k);
+  return nullptr;
+}
+
+void destroy_forward(void* kernel) { delete static_cast<ForwardKernel*>(kernel); }
+void destroy_backward(void* kernel) { delete static_cast<BackwardKernel*>(kernel); }
+
+OpDefinition make_op(const char* name, size_t inputs, size_t outputs,
+                     OrtStatus* (*create)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**),
+                     OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+  OpDefinition op{};
+  op.version = kCustomOpVersion;
+  op.name = name;
+  op.inputs = inputs;
+  op.outputs = outputs;
+  op.GetName = [](const OrtCustomOp* self) { return static_cast<const OpDefinition*>(self)->name; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetInputTypeCount = [](const OrtCustomOp* self) { return static_cast<const OpDefinition*>(self)->inputs; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const OrtCustomOp* self) { return static_cast<const OpDefinition*>(self)->outputs; };
+  op.KernelDestroy = destroy;
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return kMemTypeDefault; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+OpDefinition forward_op = make_op("BatchNormTraining", 3, 4, create_forward, forward_compute, destroy_forward);
+OpDefinition backward_op =
+    make_op("BatchNormTrainingGrad", 6, 3, create_backward, backward_compute, destroy_backward);
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                              const OrtApiBase* base) {
+  const void* table = base->GetApi(kApiVersion);
+  if (table == nullptr) {
+    // An ONNX Runtime older than the API version these kernels read; version 1's table can still say so.
+    const Api oldest(base->GetApi(1));
+    return oldest.error(kFail, std::string("lightning_ort batch-norm kernels need ONNX Runtime 1.17 or newer, not ") +
+                                   base->GetVersionString());
+  }
+  static Api checked(table);
+  const auto build_info = checked.at<const char* (*)()>(kGetBuildInfoString)();
+  if (build_info == nullptr || std::strncmp(build_info, "ORT Build Info", 14) != 0)
+    return checked.error(kFail, std::string("lightning_ort batch-norm kernels: ONNX Runtime ") +
+                                    base->GetVersionString() + "'s C API table is not laid out as expected");
+  api = &checked;
+  OrtCustomOpDomain* domain = nullptr;
+  RETURN_IF_ERROR(
+      api->at<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)(kDomain, &domain));
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(
+      domain, &forward_op));
+  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(
+      domain, &backward_op));
+  return api->at<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}

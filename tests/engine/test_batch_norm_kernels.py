@@ -1,0 +1,245 @@
+"""Training-mode batch norm (and the ReLU after it) in lightning_ort's fused ONNX Runtime CPU kernels.
+
+The kernels (``engine/runtime/batch_norm_kernels.cpp``) are built on first use. These tests check that captured
+graphs use them, that models train with float64-referenced accuracy through them and update their running
+statistics as eager does, that the kernels mask the ReLU's gradient as PyTorch does and refuse bad shapes with
+a message, and that without them (no compiler) graphs keep the standard ONNX ops.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_ort import DebugOptions, ORTModule
+from lightning_ort.engine.capture import aot
+from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
+from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.runtime import cpu_kernels
+from tests.helpers import assert_fp64_accuracy
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    path = cpu_kernels.batch_norm_kernels()
+    assert path is not None, "the batch-norm kernels did not build (is a C++ compiler installed?)"
+    return path
+
+
+class ConvNet(nn.Module):
+    """Conv/BN/ReLU, a BN without ReLU before a residual add, an affine-free BN, and a BN whose output feeds
+    a ReLU and the head (so that ReLU cannot be fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.plain = nn.BatchNorm2d(8, affine=False)
+        self.shared = nn.BatchNorm2d(8)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = F.relu(self.bn(self.conv(x)) + x)
+        x = F.relu(self.plain(x), inplace=True)
+        shared = self.shared(x)
+        pooled = torch.cat([F.relu(shared).mean((2, 3)), shared.amax((2, 3))], 1)
+        return self.head(pooled)
+
+
+def _exported_ops(tmp_path: Path, model: nn.Module, *inputs: torch.Tensor) -> dict[str, list[onnx.NodeProto]]:
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(model, debug, conv_weight_grad="onnx")
+    wrapped(*inputs).square().sum().backward()
+    graphs = {}
+    for graph in ("forward", "backward"):
+        graphs[graph] = list(onnx.load(str(tmp_path / f"m_training_{graph}.onnx")).graph.node)
+    return graphs
+
+
+def _relu_flags(nodes: list[onnx.NodeProto], op_type: str) -> list[int]:
+    return [next(a.i for a in n.attribute if a.name == "relu") for n in nodes if n.op_type == op_type]
+
+
+def test_each_training_batch_norm_is_one_kernel_each_way_with_its_relu(library: Path, tmp_path: Path) -> None:
+    graphs = _exported_ops(tmp_path, ConvNet(), torch.randn(4, 3, 8, 8))
+    forward, backward = (Counter(n.op_type for n in graphs[g]) for g in ("forward", "backward"))
+    assert forward["BatchNormTraining"] == 4 and backward["BatchNormTrainingGrad"] == 4
+    assert forward["BatchNormalization"] == backward["BatchNormalization"] == 0
+    # The stem's and the affine-free BN's ReLUs are fused; the residual BN feeds an add, the shared one two ops.
+    assert sorted(_relu_flags(graphs["forward"], "BatchNormTraining")) == [0, 0, 1, 1]
+    assert sorted(_relu_flags(graphs["backward"], "BatchNormTrainingGrad")) == [0, 0, 1, 1]
+    assert all(n.domain == DOMAIN for n in graphs["forward"] if n.op_type == "BatchNormTraining")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_conv_net_trains_through_the_kernels_as_accurately_as_eager(library: Path, seed: int) -> None:
+    torch.manual_seed(seed)
+    eager = ConvNet()
+    wrapped = ORTModule(copy.deepcopy(eager), fallback="raise")
+    x = torch.randn(6, 3, 8, 8) * 2 + 1
+    assert_fp64_accuracy(eager, wrapped, x, perturbations=2)
+
+
+def test_running_statistics_follow_eager_over_steps(library: Path) -> None:
+    torch.manual_seed(0)
+    eager = ConvNet()
+    wrapped = ORTModule(copy.deepcopy(eager), fallback="raise")
+    for step in range(3):
+        x = torch.randn(5, 3, 8, 8) * (step + 1) + step
+        eager(x).sum().backward()
+        wrapped(x).sum().backward()
+    for (name, theirs), ours in zip(eager.named_buffers(), wrapped.module.buffers(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape"), [(nn.BatchNorm1d(6), (7, 6, 11)), (nn.BatchNorm3d(6, momentum=0.3), (3, 6, 4, 3, 5))]
+)
+def test_one_and_three_dimensional_batch_norms_match_eager(
+    library: Path, layer: nn.Module, shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(layer, nn.ReLU())
+    wrapped = ORTModule(copy.deepcopy(eager), fallback="raise")
+    x = torch.randn(shape, requires_grad=True)
+    x_ours = x.detach().clone().requires_grad_()
+    grad = torch.randn(shape)
+    eager(x).backward(grad)
+    wrapped(x_ours).backward(grad)
+    torch.testing.assert_close(x_ours.grad, x.grad, rtol=1e-4, atol=1e-5)
+    for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
+    for theirs, ours in zip(eager.buffers(), wrapped.module.buffers(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _session(library: Path, node: onnx.NodeProto, inputs: dict[str, tuple[int, ...]]) -> ort.InferenceSession:
+    graph = helper.make_graph(
+        [node],
+        "kernel",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs.items()],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10
+    )
+    options = ort.SessionOptions()
+    cpu_kernels.register_kernels(options, model)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _grad_node(relu: int) -> onnx.NodeProto:
+    return helper.make_node(
+        "BatchNormTrainingGrad", ["g", "x", "w", "b", "m", "s"], ["dx", "dw", "db"], domain=DOMAIN, relu=relu
+    )
+
+
+def test_the_relu_gradient_is_zero_where_the_output_was_zero_even_for_infinite_gradients(library: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 5, 7)).astype(np.float32)
+    mean, invstd = x.mean((0, 2, 3)), 1 / np.sqrt(x.var((0, 2, 3)) + 1e-5)
+    w, b = np.ones(3, np.float32), np.zeros(3, np.float32)
+    off = x <= mean.reshape(1, 3, 1, 1)  # where the normalized output, hence the ReLU, is zero
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    g_poisoned = np.where(off, np.float32(np.inf), g)
+    shapes = {"g": x.shape, "x": x.shape, "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
+    session = _session(library, _grad_node(relu=1), shapes)
+    feeds = {"x": x, "w": w, "b": b, "m": mean.astype(np.float32), "s": invstd.astype(np.float32)}
+    clean = session.run(None, {"g": np.where(off, 0, g).astype(np.float32), **feeds})
+    poisoned = session.run(None, {"g": g_poisoned, **feeds})
+    for a, e in zip(poisoned, clean, strict=True):
+        np.testing.assert_array_equal(a, e)
+    assert np.isfinite(poisoned[0]).all()
+
+
+def test_a_kernel_given_mismatched_shapes_fails_with_a_message_naming_the_input(library: Path) -> None:
+    shapes = {"g": (2, 3, 4), "x": (2, 3, 4), "w": (4,), "b": (3,), "m": (3,), "s": (3,)}
+    session = _session(library, _grad_node(relu=0), shapes)
+    feeds = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    with pytest.raises(Exception, match=r"BatchNormTrainingGrad: scale must have shape \[C\] = \[3\]"):
+        session.run(None, feeds)
+
+
+def _graph_with_batch_norm(
+    *,
+    training: bool = True,
+    momentum: Any = 0.1,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    consumers: int = 1,
+) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.empty(2, 3, 4, 4, dtype=dtype, device=device)
+    normed = graph.call_function(F.batch_norm, (x, None, None, None, None, training, momentum, 1e-5))
+    relus = [graph.call_function(F.relu, (normed,)) for _ in range(consumers)]
+    graph.output(tuple(relus))
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"training": False}, {"momentum": None}, {"dtype": torch.float64}, {"device": "meta"}],
+    ids=["evaluation", "cumulative-average", "float64", "not-cpu"],
+)
+def test_batch_norms_the_kernels_do_not_compute_are_left_alone(changes: dict[str, Any]) -> None:
+    gm = _graph_with_batch_norm(**changes)
+    assert fusable_batch_norms(gm) == 0 and fuse_batch_norms(gm) == 0
+    assert any(n.target is F.batch_norm for n in gm.graph.nodes)
+
+
+def test_a_relu_is_fused_only_where_it_is_the_batch_norms_only_consumer() -> None:
+    gm = _graph_with_batch_norm(consumers=2)
+    assert fuse_batch_norms(gm) == 1
+    fused = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "batch_norm_training"]
+    assert len(fused) == 1 and fused[0].kwargs["relu"] is False
+    assert sum(n.target is F.relu for n in gm.graph.nodes) == 2
+
+
+def test_without_a_compiler_batch_norms_keep_the_standard_onnx_ops(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    cpu_kernels.batch_norm_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"could not be built \(c\+\+: command not found\).*C\+\+ compiler"):
+            assert cpu_kernels.batch_norm_kernels() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graphs = _exported_ops(tmp_path, ConvNet(), torch.randn(4, 3, 8, 8))
+        assert not any(n.domain == DOMAIN for nodes in graphs.values() for n in nodes)
+        assert sum(n.op_type == "BatchNormalization" for n in graphs["forward"]) == 4
+        uses_them = helper.make_model(
+            helper.make_graph([], "g", [], []), opset_imports=[helper.make_opsetid(DOMAIN, 1)]
+        )
+        with pytest.raises(RuntimeError, match="could not be built here; clear the graph cache"):
+            cpu_kernels.register_kernels(ort.SessionOptions(), uses_them)
+    finally:
+        cpu_kernels.batch_norm_kernels.cache_clear()
+
+
+def test_the_kernels_are_not_built_for_graphs_without_batch_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(aot, "batch_norm_kernels", lambda: calls.append(1))
+    model = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    model(torch.randn(2, 4)).sum().backward()
+    assert calls == []
