@@ -1,14 +1,15 @@
-"""Training-mode batch norm (and the ReLU after it) in lightning_ort's fused ONNX Runtime CPU kernels.
+"""Training-mode batch norm (and the ReLU or ReLU6 after it) in lightning_ort's fused ONNX Runtime CPU kernels.
 
 The kernels (``engine/runtime/batch_norm_kernels.cpp``) are built on first use. These tests check that captured
 graphs use them, that models train with float64-referenced accuracy through them and update their running
-statistics as eager does, that the kernels mask the ReLU's gradient as PyTorch does and refuse bad shapes with
-a message, and that without them (no compiler) graphs keep the standard ONNX ops.
+statistics as eager does, that the kernels mask the activations' gradients as PyTorch does and refuse bad shapes
+with a message, and that without them (no compiler) graphs keep the standard ONNX ops.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -39,8 +40,8 @@ def library() -> Path:
 
 
 class ConvNet(nn.Module):
-    """Conv/BN/ReLU, a BN without ReLU before a residual add, an affine-free BN, and a BN whose output feeds
-    a ReLU and the head (so that ReLU cannot be fused)."""
+    """Conv/BN/ReLU, a BN without ReLU before a residual add, an affine-free BN with an in-place ReLU, a BN with
+    ReLU6, one with a hardtanh, and a BN whose output feeds a ReLU and the head (so that ReLU cannot be fused)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,6 +49,8 @@ class ConvNet(nn.Module):
         self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(8)
         self.plain = nn.BatchNorm2d(8, affine=False)
+        self.six = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.ReLU6())
+        self.tanh = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.Hardtanh(-1, 2))
         self.shared = nn.BatchNorm2d(8)
         self.head = nn.Linear(16, 5)
 
@@ -55,6 +58,7 @@ class ConvNet(nn.Module):
         x = self.stem(x)
         x = F.relu(self.bn(self.conv(x)) + x)
         x = F.relu(self.plain(x), inplace=True)
+        x = self.tanh(self.six(x))
         shared = self.shared(x)
         pooled = torch.cat([F.relu(shared).mean((2, 3)), shared.amax((2, 3))], 1)
         return self.head(pooled)
@@ -70,18 +74,25 @@ def _exported_ops(tmp_path: Path, model: nn.Module, *inputs: torch.Tensor) -> di
     return graphs
 
 
-def _relu_flags(nodes: list[onnx.NodeProto], op_type: str) -> list[int]:
-    return [next(a.i for a in n.attribute if a.name == "relu") for n in nodes if n.op_type == op_type]
+def _clamps(nodes: list[onnx.NodeProto], op_type: str) -> list[tuple[float, float] | None]:
+    clamps: list[tuple[float, float] | None] = []
+    for node in (n for n in nodes if n.op_type == op_type):
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        clamps.append((attributes["min"], attributes["max"]) if attributes["clamp"] else None)
+    return clamps
 
 
-def test_each_training_batch_norm_is_one_kernel_each_way_with_its_relu(library: Path, tmp_path: Path) -> None:
+def test_each_training_batch_norm_is_one_kernel_each_way_with_its_activation(library: Path, tmp_path: Path) -> None:
     graphs = _exported_ops(tmp_path, ConvNet(), torch.randn(4, 3, 8, 8))
     forward, backward = (Counter(n.op_type for n in graphs[g]) for g in ("forward", "backward"))
-    assert forward["BatchNormTraining"] == 4 and backward["BatchNormTrainingGrad"] == 4
-    assert forward["BatchNormalization"] == backward["BatchNormalization"] == 0
-    # The stem's and the affine-free BN's ReLUs are fused; the residual BN feeds an add, the shared one two ops.
-    assert sorted(_relu_flags(graphs["forward"], "BatchNormTraining")) == [0, 0, 1, 1]
-    assert sorted(_relu_flags(graphs["backward"], "BatchNormTrainingGrad")) == [0, 0, 1, 1]
+    assert forward["BatchNormTraining"] == 6 and backward["BatchNormTrainingGrad"] == 6
+    assert forward["BatchNormalization"] == backward["BatchNormalization"] == forward["Clip"] == 0
+    # The stem's, the affine-free BN's ReLUs, ReLU6 and the hardtanh are fused; the residual BN feeds an add, the
+    # shared one two ops.
+    relu, six, tanh = (0.0, math.inf), (0.0, 6.0), (-1.0, 2.0)
+    expected = [None, None, relu, relu, six, tanh]
+    for graph, op_type in (("forward", "BatchNormTraining"), ("backward", "BatchNormTrainingGrad")):
+        assert sorted(_clamps(graphs[graph], op_type), key=str) == sorted(expected, key=str)
     assert all(n.domain == DOMAIN for n in graphs["forward"] if n.op_type == "BatchNormTraining")
 
 
@@ -142,22 +153,28 @@ def _session(library: Path, node: onnx.NodeProto, inputs: dict[str, tuple[int, .
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _grad_node(relu: int) -> onnx.NodeProto:
-    return helper.make_node(
-        "BatchNormTrainingGrad", ["g", "x", "w", "b", "m", "s"], ["dx", "dw", "db"], domain=DOMAIN, relu=relu
-    )
+def _grad_node(clamp: tuple[float, float] | None) -> onnx.NodeProto:
+    low, high = clamp if clamp is not None else (0.0, math.inf)
+    inputs, outputs = ["g", "x", "w", "b", "m", "s"], ["dx", "dw", "db"]
+    attributes = {"clamp": int(clamp is not None), "min": low, "max": high}
+    return helper.make_node("BatchNormTrainingGrad", inputs, outputs, domain=DOMAIN, **attributes)
 
 
-def test_the_relu_gradient_is_zero_where_the_output_was_zero_even_for_infinite_gradients(library: Path) -> None:
+@pytest.mark.parametrize("clamp", [(0.0, math.inf), (0.0, 0.5)], ids=["relu", "hardtanh"])
+def test_the_gradient_is_zero_where_the_activation_was_flat_even_for_infinite_gradients(
+    library: Path, clamp: tuple[float, float]
+) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 5, 7)).astype(np.float32)
     mean, invstd = x.mean((0, 2, 3)), 1 / np.sqrt(x.var((0, 2, 3)) + 1e-5)
     w, b = np.ones(3, np.float32), np.zeros(3, np.float32)
-    off = x <= mean.reshape(1, 3, 1, 1)  # where the normalized output, hence the ReLU, is zero
+    normalized = (x - mean.reshape(1, 3, 1, 1)) * invstd.reshape(1, 3, 1, 1)
+    off = (normalized <= clamp[0]) | (normalized >= clamp[1])  # where the activation is flat
+    assert 0 < off.mean() < 1
     g = rng.standard_normal(x.shape).astype(np.float32)
     g_poisoned = np.where(off, np.float32(np.inf), g)
     shapes = {"g": x.shape, "x": x.shape, "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
-    session = _session(library, _grad_node(relu=1), shapes)
+    session = _session(library, _grad_node(clamp), shapes)
     feeds = {"x": x, "w": w, "b": b, "m": mean.astype(np.float32), "s": invstd.astype(np.float32)}
     clean = session.run(None, {"g": np.where(off, 0, g).astype(np.float32), **feeds})
     poisoned = session.run(None, {"g": g_poisoned, **feeds})
@@ -168,7 +185,7 @@ def test_the_relu_gradient_is_zero_where_the_output_was_zero_even_for_infinite_g
 
 def test_a_kernel_given_mismatched_shapes_fails_with_a_message_naming_the_input(library: Path) -> None:
     shapes = {"g": (2, 3, 4), "x": (2, 3, 4), "w": (4,), "b": (3,), "m": (3,), "s": (3,)}
-    session = _session(library, _grad_node(relu=0), shapes)
+    session = _session(library, _grad_node(None), shapes)
     feeds = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
     with pytest.raises(Exception, match=r"BatchNormTrainingGrad: scale must have shape \[C\] = \[3\]"):
         session.run(None, feeds)
@@ -206,7 +223,7 @@ def test_a_relu_is_fused_only_where_it_is_the_batch_norms_only_consumer() -> Non
     gm = _graph_with_batch_norm(consumers=2)
     assert fuse_batch_norms(gm) == 1
     fused = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "batch_norm_training"]
-    assert len(fused) == 1 and fused[0].kwargs["relu"] is False
+    assert len(fused) == 1 and fused[0].kwargs["clamp"] is None
     assert sum(n.target is F.relu for n in gm.graph.nodes) == 2
 
 
@@ -227,7 +244,7 @@ def test_without_a_compiler_batch_norms_keep_the_standard_onnx_ops(
             warnings.simplefilter("ignore")
             graphs = _exported_ops(tmp_path, ConvNet(), torch.randn(4, 3, 8, 8))
         assert not any(n.domain == DOMAIN for nodes in graphs.values() for n in nodes)
-        assert sum(n.op_type == "BatchNormalization" for n in graphs["forward"]) == 4
+        assert sum(n.op_type == "BatchNormalization" for n in graphs["forward"]) == 6
         uses_them = helper.make_model(
             helper.make_graph([], "g", [], []), opset_imports=[helper.make_opsetid(DOMAIN, 1)]
         )

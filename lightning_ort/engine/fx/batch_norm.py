@@ -1,22 +1,24 @@
-"""Training-mode batch norm, and a ReLU right after it, as two fused ONNX Runtime kernels on CPU.
+"""Training-mode batch norm, and a ReLU or ReLU6 right after it, as two fused ONNX Runtime kernels on CPU.
 
 ONNX has no training-mode batch norm, and the public onnxruntime wheel no training kernels, so its standard form
 is a chain of separate nodes: the means, the centred input and its square, ``BatchNormalization`` with the batch
-statistics and ``Relu`` in the forward; about nine in the backward (the ReLU mask, two sums, the scaled
-difference). Each is a full pass over the activation; for convolutional nets they take as long as the
+statistics and ``Relu`` (or ``Clip``) in the forward; about nine in the backward (the activation's mask, two
+sums, the scaled difference). Each is a full pass over the activation; for convolutional nets they take as long as the
 convolutions. lightning_ort's own CPU kernels (``engine/runtime/batch_norm_kernels.cpp``) take two passes each
 way: the per-channel sums, then the elementwise result.
 
 :func:`fuse_batch_norms` points TorchDynamo's ``F.batch_norm`` calls in training mode, together with an
-``F.relu`` that is their only consumer, at :func:`batch_norm_training`: an autograd function over two PyTorch
-ops, :data:`BATCH_NORM_TRAINING` and :data:`BATCH_NORM_TRAINING_BACKWARD`, which the export translates to the
-kernels (:mod:`lightning_ort.engine.onnx.custom_ops`). Their PyTorch implementations compute the same values,
+``F.relu``, ``F.relu6`` or ``F.hardtanh`` that is their only consumer (a clamp of the output), at
+:func:`batch_norm_training`: an autograd function over two PyTorch ops, :data:`BATCH_NORM_TRAINING` and
+:data:`BATCH_NORM_TRAINING_BACKWARD`, which the export translates to the kernels
+(:mod:`lightning_ort.engine.onnx.custom_ops`). Their PyTorch implementations compute the same values,
 for a graph that runs in PyTorch. The running statistics are updated in the graph, as ``F.batch_norm`` does.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -32,16 +34,24 @@ def _channel_dims(input: torch.Tensor) -> tuple[list[int], list[int]]:
 
 @torch.library.custom_op("lightning_ort::batch_norm_training", mutates_args=())
 def batch_norm_training_op(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, relu: bool
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Batch norm with the batch's statistics, then ReLU if ``relu``: ``(output, mean, var, invstd)``.
+    """Batch norm with the batch's statistics, then clamped to ``[low, high]`` if ``clamp``:
+    ``(output, mean, var, invstd)``.
 
-    ``var`` is the biased variance, ``invstd = 1 / sqrt(var + eps)``; ``input`` is ``[N, C, ...]``, ``weight``
-    and ``bias`` are ``[C]``. ONNX Runtime runs it as ``ai.lightning_ort::BatchNormTraining``.
+    ReLU is the clamp to ``[0, inf]``, ReLU6 to ``[0, 6]``. ``var`` is the biased variance,
+    ``invstd = 1 / sqrt(var + eps)``; ``input`` is ``[N, C, ...]``, ``weight`` and ``bias`` are ``[C]``. ONNX
+    Runtime runs it as ``ai.lightning_ort::BatchNormTraining``.
 
     Example:
         >>> x, w, b = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3)
-        >>> out, mean, var, invstd = batch_norm_training_op(x, w, b, 1e-5, True)
+        >>> out, mean, var, invstd = batch_norm_training_op(x, w, b, 1e-5, True, 0.0, math.inf)
         >>> torch.allclose(out, torch.relu(F.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)), atol=1e-5)
         True
     """
@@ -49,7 +59,7 @@ def batch_norm_training_op(
     var, mean = torch.var_mean(input, dims, correction=0)
     invstd = torch.rsqrt(var + eps)
     output = _normalized(input, weight, bias, mean, invstd)
-    return (output.relu() if relu else output), mean, var, invstd
+    return (output.clamp(low, high) if clamp else output), mean, var, invstd
 
 
 def _normalized(
@@ -64,7 +74,13 @@ def _normalized(
 
 @batch_norm_training_op.register_fake
 def _batch_norm_training_fake(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, relu: bool
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     channels = input.shape[1]
     return torch.empty_like(input), input.new_empty(channels), input.new_empty(channels), input.new_empty(channels)
@@ -78,25 +94,32 @@ def batch_norm_training_backward_op(
     bias: torch.Tensor,
     mean: torch.Tensor,
     invstd: torch.Tensor,
-    relu: bool,
+    clamp: bool,
+    low: float,
+    high: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`batch_norm_training_op`'s ``output``: ``(grad_input, grad_weight, grad_bias)``.
 
-    With ``relu``, ``grad_output`` is first masked where the forward's result was not positive, which is
-    recomputed from ``input`` (so the forward's result need not be kept for it). ONNX Runtime runs it as
+    With ``clamp``, ``grad_output`` is kept only where the normalized value was strictly inside ``[low, high]``
+    (above ``low`` for an infinite ``high``), as PyTorch's ReLU and hardtanh gradients keep it; the normalized
+    value is recomputed from ``input``, so the forward's result need not be kept for it. ONNX Runtime runs it as
     ``ai.lightning_ort::BatchNormTrainingGrad``.
 
     Example:
         >>> x, w, b, g = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3), torch.randn(4, 3, 5, 5)
-        >>> out, mean, _, invstd = batch_norm_training_op(x, w, b, 1e-5, True)
-        >>> grads = batch_norm_training_backward_op(g, x, w, b, mean, invstd, True)
+        >>> out, mean, _, invstd = batch_norm_training_op(x, w, b, 1e-5, True, 0.0, math.inf)
+        >>> grads = batch_norm_training_backward_op(g, x, w, b, mean, invstd, True, 0.0, math.inf)
         >>> x_, w_, b_ = (t.clone().requires_grad_() for t in (x, w, b))
         >>> torch.relu(F.batch_norm(x_, None, None, w_, b_, True, 0.1, 1e-5)).backward(g)
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad)))
         True
     """
     dims, shape = _channel_dims(input)
-    grad = grad_output.where(_normalized(input, weight, bias, mean, invstd) > 0, 0.0) if relu else grad_output
+    grad = grad_output
+    if clamp:
+        normalized = _normalized(input, weight, bias, mean, invstd)
+        inside = normalized > low if math.isinf(high) else (normalized > low) & (normalized < high)
+        grad = grad_output.where(inside, 0.0)
     count = input.numel() // input.shape[1]
     centred = input - mean.reshape(shape)
     grad_sum = grad.sum(dims)
@@ -114,7 +137,9 @@ def _batch_norm_training_backward_fake(
     bias: torch.Tensor,
     mean: torch.Tensor,
     invstd: torch.Tensor,
-    relu: bool,
+    clamp: bool,
+    low: float,
+    high: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight)
 
@@ -126,16 +151,26 @@ BATCH_NORM_TRAINING_BACKWARD = torch.ops.lightning_ort.batch_norm_training_backw
 """The backward op :func:`batch_norm_training` records in captured graphs."""
 
 
+Clamp = tuple[float, float] | None
+"""The bounds of the activation after a batch norm, ``(low, high)``: ``(0.0, inf)`` for ReLU, ``(0.0, 6.0)`` for
+ReLU6; ``None`` for none."""
+
+
+def _clamp_arguments(clamp: Clamp) -> tuple[bool, float, float]:
+    """The ops' ``clamp``, ``low`` and ``high`` arguments for ``clamp``."""
+    return (False, 0.0, math.inf) if clamp is None else (True, float(clamp[0]), float(clamp[1]))
+
+
 class _BatchNormTraining(torch.autograd.Function):
     """:data:`BATCH_NORM_TRAINING` forward, :data:`BATCH_NORM_TRAINING_BACKWARD` backward; the statistics are
     not differentiable."""
 
     @staticmethod
     def forward(
-        ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, relu: bool
+        ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, clamp: Clamp
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        output, mean, var, invstd = BATCH_NORM_TRAINING(input, weight, bias, eps, relu)
-        ctx.relu = relu
+        output, mean, var, invstd = BATCH_NORM_TRAINING(input, weight, bias, eps, *_clamp_arguments(clamp))
+        ctx.clamp = clamp
         ctx.save_for_backward(input, weight, bias, mean, invstd)
         ctx.mark_non_differentiable(mean, var)
         return output, mean, var
@@ -143,7 +178,9 @@ class _BatchNormTraining(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         input, weight, bias, mean, invstd = ctx.saved_tensors
-        grads = BATCH_NORM_TRAINING_BACKWARD(grad_output, input, weight, bias, mean, invstd, ctx.relu)
+        grads = BATCH_NORM_TRAINING_BACKWARD(
+            grad_output, input, weight, bias, mean, invstd, *_clamp_arguments(ctx.clamp)
+        )
         return *grads, None, None
 
 
@@ -155,22 +192,22 @@ def batch_norm_training(
     bias: torch.Tensor | None,
     momentum: float,
     eps: float,
-    relu: bool,
+    clamp: Clamp,
 ) -> torch.Tensor:
-    """``F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)``, then ``relu`` if
-    asked, as the fused ops; the running statistics are updated in place as PyTorch updates them (the unbiased
-    variance).
+    """``F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)``, then clamped to
+    ``clamp``'s bounds (ReLU, ReLU6) if given, as the fused ops; the running statistics are updated in place as
+    PyTorch updates them (the unbiased variance).
 
     Example:
         >>> x, mean, var = torch.randn(4, 3, 5, 5), torch.zeros(3), torch.ones(3)
-        >>> out = batch_norm_training(x, mean, var, None, None, 0.1, 1e-5, relu=False)
+        >>> out = batch_norm_training(x, mean, var, None, None, 0.1, 1e-5, clamp=None)
         >>> torch.allclose(mean, 0.1 * x.mean((0, 2, 3)), atol=1e-6)
         True
     """
     channels = input.shape[1]
     scale = weight if weight is not None else torch.ones(channels, dtype=input.dtype, device=input.device)
     shift = bias if bias is not None else torch.zeros(channels, dtype=input.dtype, device=input.device)
-    output, mean, var = _BatchNormTraining.apply(input, scale, shift, eps, relu)
+    output, mean, var = _BatchNormTraining.apply(input, scale, shift, eps, clamp)
     count = input.numel() // channels
     if running_mean is not None:
         running_mean.copy_(momentum * mean + (1 - momentum) * running_mean)
@@ -181,6 +218,7 @@ def batch_norm_training(
 
 _BATCH_NORM_SIGNATURE = inspect.signature(F.batch_norm)
 _RELUS = (F.relu, torch.relu, torch.relu_)
+_HARDTANH_SIGNATURE = inspect.signature(F.hardtanh)
 
 
 def _fusable_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
@@ -204,15 +242,27 @@ def _fusable_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     return arguments
 
 
-def _only_relu(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The ReLU that is ``node``'s only consumer, if one is."""
+def _only_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[float, float]] | None:
+    """The ReLU, ReLU6 or hardtanh that is ``node``'s only consumer, if one is, and its bounds."""
     if len(node.users) != 1:
         return None
     (user,) = node.users
-    is_relu = (user.op == "call_function" and user.target in _RELUS) or (
+    if not user.args or user.args[0] is not node:
+        return None
+    relu = (user.op == "call_function" and user.target in _RELUS) or (
         user.op == "call_method" and user.target in ("relu", "relu_")
     )
-    return user if is_relu and user.args[0] is node else None
+    if relu:
+        return user, (0.0, math.inf)
+    if user.op == "call_function" and user.target is F.relu6:
+        return user, (0.0, 6.0)
+    if user.op == "call_function" and user.target is F.hardtanh:
+        bound = _HARDTANH_SIGNATURE.bind(*user.args, **user.kwargs)
+        bound.apply_defaults()
+        low, high = bound.arguments["min_val"], bound.arguments["max_val"]
+        if type(low) in (int, float) and type(high) in (int, float) and low < high:
+            return user, (float(low), float(high))
+    return None
 
 
 def fusable_batch_norms(gm: torch.fx.GraphModule) -> int:
@@ -222,7 +272,8 @@ def fusable_batch_norms(gm: torch.fx.GraphModule) -> int:
 
 def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
     """Point ``gm``'s training-mode ``F.batch_norm`` calls (float32, on CPU, with a float momentum) at
-    :func:`batch_norm_training`, with the ``F.relu`` that alone consumes one; returns the calls replaced.
+    :func:`batch_norm_training`, with the ``F.relu``, ``F.relu6`` or ``F.hardtanh`` that alone consumes one;
+    returns the calls replaced.
 
     Example:
         >>> graph = torch.fx.Graph()
@@ -239,18 +290,22 @@ def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
         arguments = _fusable_arguments(node)
         if arguments is None:
             continue
-        relu = _only_relu(node)
-        last = relu if relu is not None else node
+        activation = _only_clamp(node)
+        last = activation[0] if activation is not None else node
         with gm.graph.inserting_after(last):
             fused = gm.graph.call_function(
                 batch_norm_training,
                 tuple(arguments[name] for name in ("input", "running_mean", "running_var", "weight", "bias")),
-                {"momentum": arguments["momentum"], "eps": arguments["eps"], "relu": relu is not None},
+                {
+                    "momentum": arguments["momentum"],
+                    "eps": arguments["eps"],
+                    "clamp": activation[1] if activation is not None else None,
+                },
             )
         fused.meta = dict(last.meta)
         last.replace_all_uses_with(fused)
-        if relu is not None:
-            gm.graph.erase_node(relu)
+        if activation is not None:
+            gm.graph.erase_node(activation[0])
         gm.graph.erase_node(node)
         replaced += 1
     if replaced:

@@ -20,6 +20,7 @@ DOMAIN = "ai.lightning_ort"
 """The ONNX domain of lightning_ort's ONNX Runtime kernels."""
 
 _OPSET = onnxscript.values.Opset(DOMAIN, 1)
+FLOAT, INT = OpSchema.AttrType.FLOAT, OpSchema.AttrType.INT
 
 
 def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, OpSchema.AttrType]) -> Any:
@@ -40,27 +41,37 @@ _BATCH_NORM_TRAINING = _op(
     "BatchNormTraining",
     ["X", "scale", "B"],
     ["Y", "mean", "var", "invstd"],
-    {"epsilon": OpSchema.AttrType.FLOAT, "relu": OpSchema.AttrType.INT},
+    {"epsilon": FLOAT, "clamp": INT, "min": FLOAT, "max": FLOAT},
 )
 _BATCH_NORM_TRAINING_GRAD = _op(
     "BatchNormTrainingGrad",
     ["dY", "X", "scale", "B", "mean", "invstd"],
     ["dX", "dscale", "dB"],
-    {"relu": OpSchema.AttrType.INT},
+    {"clamp": INT, "min": FLOAT, "max": FLOAT},
 )
 
 
-def batch_norm_training(input: Any, weight: Any, bias: Any, eps: float, relu: bool) -> Any:
+def batch_norm_training(input: Any, weight: Any, bias: Any, eps: float, clamp: bool, low: float, high: float) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING` as one ``BatchNormTraining`` node."""
-    return _BATCH_NORM_TRAINING(input, weight, bias, epsilon=eps, relu=int(relu))
+    return _BATCH_NORM_TRAINING(input, weight, bias, epsilon=eps, clamp=int(clamp), min=low, max=high)
 
 
 def batch_norm_training_backward(
-    grad_output: Any, input: Any, weight: Any, bias: Any, mean: Any, invstd: Any, relu: bool
+    grad_output: Any,
+    input: Any,
+    weight: Any,
+    bias: Any,
+    mean: Any,
+    invstd: Any,
+    clamp: bool,
+    low: float,
+    high: float,
 ) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING_BACKWARD` as one ``BatchNormTrainingGrad``
     node."""
-    return _BATCH_NORM_TRAINING_GRAD(grad_output, input, weight, bias, mean, invstd, relu=int(relu))
+    return _BATCH_NORM_TRAINING_GRAD(
+        grad_output, input, weight, bias, mean, invstd, clamp=int(clamp), min=low, max=high
+    )
 
 
 CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {

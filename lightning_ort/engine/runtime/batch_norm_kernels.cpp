@@ -6,10 +6,12 @@
 // the elementwise result.
 //
 //   ai.lightning_ort::BatchNormTraining(X, scale, bias) -> (Y, mean, var, invstd)
-//       attributes: epsilon (float), relu (int, 0 or 1). var is the biased batch variance.
+//       attributes: epsilon (float); clamp (int, 0 or 1), min and max (floats). var is the biased batch variance.
+//       With clamp, Y is clamped to [min, max]: ReLU is min = 0, max = inf; ReLU6 (hardtanh) min = 0, max = 6.
 //   ai.lightning_ort::BatchNormTrainingGrad(dY, X, scale, bias, mean, invstd) -> (dX, dscale, dbias)
-//       attributes: relu. With relu, dY is masked where the forward's output was not positive, which is
-//       recomputed from X: the forward's output need not be kept for it.
+//       attributes: clamp, min, max. With clamp, dY is kept only where the normalized value v was inside the
+//       bounds, min < v < max (v > min alone for an infinite max), as PyTorch's ReLU and hardtanh gradients keep
+//       it. v is recomputed from X: the forward's output need not be kept for it.
 //
 // X is [N, C, spatial...] float32, contiguous; the statistics are per channel over N and the spatial dims,
 // accumulated in double. Work is split by channel over the session's intra-op thread pool.
@@ -219,17 +221,6 @@ double lane_total(const float* lanes) {
   return total;
 }
 
-// g where x * a + b > 0, else 0 (also for an infinite or NaN g, as PyTorch's ReLU gradient), as a bitwise and:
-// a conditional select of loaded values does not vectorize.
-inline float relu_masked(float g, float x, float a, float b) {
-  uint32_t bits;
-  std::memcpy(&bits, &g, sizeof bits);
-  bits &= -static_cast<uint32_t>(x * a + b > 0.0f);
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
 struct Affine {
   float a, b;
 };
@@ -237,6 +228,43 @@ struct Affine {
 Affine affine(float scale, float bias, float mean, float invstd) {
   const float a = scale * invstd;
   return {a, bias - mean * a};
+}
+
+// The clamp after the normalization: none, a lower bound only (ReLU: max is infinite), or both (hardtanh).
+enum ClampMode { kNone = 0, kLower = 1, kBoth = 2 };
+
+struct Bounds {
+  float lo, hi;
+};
+
+// v clamped to the bounds; NaN stays NaN, as in PyTorch.
+template <int kClamp>
+inline float clamped(float v, Bounds bounds) {
+  if (kClamp == kNone) return v;
+  v = v < bounds.lo ? bounds.lo : v;
+  return kClamp == kBoth && v > bounds.hi ? bounds.hi : v;
+}
+
+// g where the normalized value v = x * a + b was strictly inside the bounds, else 0 (also for an infinite or NaN
+// g, as PyTorch's ReLU and hardtanh gradients), as a bitwise and: a conditional select of loaded values does not
+// vectorize.
+template <int kClamp>
+inline float kept(float g, float x, Affine f, Bounds bounds) {
+  if (kClamp == kNone) return g;
+  const float v = x * f.a + f.b;
+  const bool inside = kClamp == kLower ? v > bounds.lo : ((v > bounds.lo) & (v < bounds.hi));  // no branch
+  uint32_t bits;
+  std::memcpy(&bits, &g, sizeof bits);
+  bits &= -static_cast<uint32_t>(inside);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// The clamp mode of the clamp, min and max attributes.
+int clamp_mode(bool clamp, Bounds bounds) {
+  if (!clamp) return kNone;
+  return std::isinf(bounds.hi) && bounds.hi > 0 ? kLower : kBoth;
 }
 
 // The forward: per-channel mean and biased variance, then y = x * a + b, clamped at 0 with relu.
@@ -251,7 +279,8 @@ struct ForwardWork {
   float* invstd;
   Layout layout;
   float epsilon;
-  bool relu;
+  int clamp;
+  Bounds bounds;
 };
 
 KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
@@ -275,15 +304,9 @@ KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* sq
   *squares += total_squares;
 }
 
-KERNEL_CLONES void plane_affine(const float* x, float* y, int64_t n, Affine f, bool relu) {
-  if (relu) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = x[i] * f.a + f.b;
-      y[i] = v > 0.0f ? v : 0.0f;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * f.a + f.b;
-  }
+template <int kClamp>
+KERNEL_CLONES void plane_affine(const float* x, float* y, int64_t n, Affine f, Bounds bounds) {
+  for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(x[i] * f.a + f.b, bounds);
 }
 
 void forward_channel(void* data, size_t c) {
@@ -301,13 +324,19 @@ void forward_channel(void* data, size_t c) {
   const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + c * l.spatial;
-    plane_affine(w.x + offset, w.y + offset, l.spatial, f, w.relu);
+    if (w.clamp == kLower)
+      plane_affine<kLower>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
+    else if (w.clamp == kBoth)
+      plane_affine<kBoth>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
+    else
+      plane_affine<kNone>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
   }
 }
 
 struct ForwardKernel {
   float epsilon;
-  bool relu;
+  int clamp;
+  Bounds bounds;
 };
 
 OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
@@ -321,7 +350,7 @@ OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(channel_layout(x, op, &layout));
   RETURN_IF_ERROR(check_channels(scale, layout.channels, op, "scale"));
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
-  ForwardWork work{x.data, scale.data, bias.data, nullptr, nullptr, nullptr, nullptr, layout, k.epsilon, k.relu};
+  ForwardWork work{x.data, scale.data, bias.data, nullptr, nullptr, nullptr, nullptr, layout, k.epsilon, k.clamp, k.bounds};
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.y));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.mean));
@@ -331,7 +360,7 @@ OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   return parallel_for(context, forward_channel, static_cast<size_t>(layout.channels), &work);
 }
 
-// The gradient: with g = dY (masked where y <= 0 with relu), per channel sum(g) and sum(g * (x - mean)), then
+// The gradient: with g = dY (kept where the clamp passed it through), per channel sum(g) and sum(g * (x - mean)), then
 // dx = (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M) * scale * invstd.
 
 struct BackwardWork {
@@ -345,19 +374,20 @@ struct BackwardWork {
   float* grad_scale;
   float* grad_bias;
   Layout layout;
-  bool relu;
+  int clamp;
+  Bounds bounds;
 };
 
-template <bool kRelu>
-KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, float mean, Affine f, double* sum,
-                                   double* dot) {
+template <int kClamp>
+KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, float mean, Affine f, Bounds bounds,
+                                   double* sum, double* dot) {
   double total = 0.0, total_dot = 0.0;
   int64_t start = 0;
   for (; start + kRun <= n; start += kRun) {
     float s[kLanes] = {}, d[kLanes] = {};
     for (int64_t i = start; i < start + kRun; i += kLanes)
       for (int64_t j = 0; j < kLanes; ++j) {
-        const float gi = kRelu ? relu_masked(g[i + j], x[i + j], f.a, f.b) : g[i + j];
+        const float gi = kept<kClamp>(g[i + j], x[i + j], f, bounds);
         s[j] += gi;
         d[j] += gi * (x[i + j] - mean);
       }
@@ -365,7 +395,7 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
     total_dot += lane_total(d);
   }
   for (int64_t i = start; i < n; ++i) {
-    const float gi = kRelu ? relu_masked(g[i], x[i], f.a, f.b) : g[i];
+    const float gi = kept<kClamp>(g[i], x[i], f, bounds);
     total += gi;
     total_dot += static_cast<double>(gi) * (x[i] - mean);
   }
@@ -373,11 +403,11 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
   *dot += total_dot;
 }
 
-template <bool kRelu>
+template <int kClamp>
 KERNEL_CLONES void plane_grad(const float* g, const float* x, float* out, int64_t n, float mean, Affine f,
-                              float shift, float k, float a) {
+                              Bounds bounds, float shift, float k, float a) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = kRelu ? relu_masked(g[i], x[i], f.a, f.b) : g[i];
+    const float gi = kept<kClamp>(g[i], x[i], f, bounds);
     out[i] = (gi - shift - (x[i] - mean) * k) * a;
   }
 }
@@ -391,10 +421,12 @@ void backward_channel(void* data, size_t c) {
   double sum = 0.0, dot = 0.0;
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + c * l.spatial;
-    if (w.relu)
-      plane_grad_sums<true>(w.grad + offset, w.x + offset, l.spatial, mean, f, &sum, &dot);
+    if (w.clamp == kLower)
+      plane_grad_sums<kLower>(w.grad + offset, w.x + offset, l.spatial, mean, f, w.bounds, &sum, &dot);
+    else if (w.clamp == kBoth)
+      plane_grad_sums<kBoth>(w.grad + offset, w.x + offset, l.spatial, mean, f, w.bounds, &sum, &dot);
     else
-      plane_grad_sums<false>(w.grad + offset, w.x + offset, l.spatial, mean, f, &sum, &dot);
+      plane_grad_sums<kNone>(w.grad + offset, w.x + offset, l.spatial, mean, f, w.bounds, &sum, &dot);
   }
   const double count = static_cast<double>(l.batch * l.spatial);
   const double invstd = w.invstd[c];
@@ -405,15 +437,19 @@ void backward_channel(void* data, size_t c) {
   const float a = static_cast<float>(static_cast<double>(w.scale[c]) * invstd);
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + c * l.spatial;
-    if (w.relu)
-      plane_grad<true>(w.grad + offset, w.x + offset, w.grad_x + offset, l.spatial, mean, f, shift, k, a);
+    float* out = w.grad_x + offset;
+    if (w.clamp == kLower)
+      plane_grad<kLower>(w.grad + offset, w.x + offset, out, l.spatial, mean, f, w.bounds, shift, k, a);
+    else if (w.clamp == kBoth)
+      plane_grad<kBoth>(w.grad + offset, w.x + offset, out, l.spatial, mean, f, w.bounds, shift, k, a);
     else
-      plane_grad<false>(w.grad + offset, w.x + offset, w.grad_x + offset, l.spatial, mean, f, shift, k, a);
+      plane_grad<kNone>(w.grad + offset, w.x + offset, out, l.spatial, mean, f, w.bounds, shift, k, a);
   }
 }
 
 struct BackwardKernel {
-  bool relu;
+  int clamp;
+  Bounds bounds;
 };
 
 OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
@@ -435,7 +471,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(check_channels(mean, layout.channels, op, "mean"));
   RETURN_IF_ERROR(check_channels(invstd, layout.channels, op, "invstd"));
   BackwardWork work{grad.data, x.data,  scale.data, bias.data, mean.data, invstd.data,
-                    nullptr,   nullptr, nullptr,    layout,    k.relu};
+                    nullptr,   nullptr, nullptr,    layout,    k.clamp,     k.bounds};
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.grad_scale));
@@ -450,11 +486,18 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
 // ---------------------------------------------------------------------------------------------------------------
 // Op definitions.
 
-OrtStatus* read_relu(const OrtKernelInfo* info, bool* relu) {
-  int64_t value = 0;
+OrtStatus* read_float(const OrtKernelInfo* info, const char* name, float* value) {
+  return api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name,
+                                                                                                         value);
+}
+
+OrtStatus* read_clamp(const OrtKernelInfo* info, int* mode, Bounds* bounds) {
+  int64_t clamp = 0;
   RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(
-      info, "relu", &value));
-  *relu = value != 0;
+      info, "clamp", &clamp));
+  RETURN_IF_ERROR(read_float(info, "min", &bounds->lo));
+  RETURN_IF_ERROR(read_float(info, "max", &bounds->hi));
+  *mode = clamp_mode(clamp != 0, *bounds);
   return nullptr;
 }
 
@@ -466,16 +509,15 @@ struct OpDefinition : OrtCustomOp {
 
 OrtStatus* create_forward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
   ForwardKernel k{};
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(
-      info, "epsilon", &k.epsilon));
-  RETURN_IF_ERROR(read_relu(info, &k.relu));
+  RETURN_IF_ERROR(read_float(info, "epsilon", &k.epsilon));
+  RETURN_IF_ERROR(read_clamp(info, &k.clamp, &k.bounds));
   *kernel = new ForwardKernel(k);
   return nullptr;
 }
 
 OrtStatus* create_backward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
   BackwardKernel k{};
-  RETURN_IF_ERROR(read_relu(info, &k.relu));
+  RETURN_IF_ERROR(read_clamp(info, &k.clamp, &k.bounds));
   *kernel = new BackwardKernel(k);
   return nullptr;
 }
