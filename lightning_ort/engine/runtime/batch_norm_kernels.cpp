@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 extern "C" {
 struct OrtStatus;
@@ -249,9 +250,9 @@ inline float clamped(float v, Bounds bounds) {
 // g, as PyTorch's ReLU and hardtanh gradients), as a bitwise and: a conditional select of loaded values does not
 // vectorize.
 template <int kClamp>
-inline float kept(float g, float x, Affine f, Bounds bounds) {
+inline float kept(float g, float x, float a, float b, Bounds bounds) {
   if (kClamp == kNone) return g;
-  const float v = x * f.a + f.b;
+  const float v = x * a + b;
   const bool inside = kClamp == kLower ? v > bounds.lo : ((v > bounds.lo) & (v < bounds.hi));  // no branch
   uint32_t bits;
   std::memcpy(&bits, &g, sizeof bits);
@@ -267,20 +268,54 @@ int clamp_mode(bool clamp, Bounds bounds) {
   return std::isinf(bounds.hi) && bounds.hi > 0 ? kLower : kBoth;
 }
 
-// The forward: per-channel mean and biased variance, then y = x * a + b, clamped at 0 with relu.
+// Channels are split into blocks, one task each; a block's elements in one image are contiguous, a row of
+// block * spatial floats. Images of at least kRun positions take one channel per block, sum each plane in float
+// lanes and run the elementwise passes plane by plane with the channel's coefficients. Smaller images take enough
+// channels per block to make rows of about kRowElements, summed column by column in double across the batch, and
+// run the elementwise passes over rows with per-element coefficients, so that no loop runs over a handful of
+// elements.
+constexpr int64_t kRowElements = 4096;
 
-struct ForwardWork {
-  const float* x;
-  const float* scale;
-  const float* bias;
-  float* y;
-  float* mean;
-  float* var;
-  float* invstd;
-  Layout layout;
-  float epsilon;
-  int clamp;
-  Bounds bounds;
+struct Blocks {
+  int64_t channels;  // per block
+  int64_t count;
+};
+
+Blocks blocks_of(const Layout& l) {
+  int64_t per = l.spatial >= kRun ? 1 : std::max<int64_t>(1, kRowElements / std::max<int64_t>(l.spatial, 1));
+  per = std::min(per, std::max<int64_t>(1, (l.channels + 7) / 8));  // 8 tasks or more for the thread pool
+  return {per, (l.channels + per - 1) / per};
+}
+
+// The channels [first, last) of a block and the coefficient and accumulator space of its rows, reused by the
+// thread's next block.
+struct Block {
+  int64_t first, last, row;
+  float* coefficients;  // kCoefficients arrays of row floats
+  double* sums;         // 2 arrays of row doubles
+
+  static constexpr int kCoefficients = 6;
+
+  Block(const Layout& l, const Blocks& blocks, size_t task) {
+    first = static_cast<int64_t>(task) * blocks.channels;
+    last = std::min(first + blocks.channels, l.channels);
+    row = (last - first) * l.spatial;
+    thread_local std::vector<float> floats;
+    thread_local std::vector<double> doubles;
+    floats.resize(static_cast<size_t>(kCoefficients * row));
+    doubles.assign(static_cast<size_t>(2 * row), 0.0);
+    coefficients = floats.data();
+    sums = doubles.data();
+  }
+
+  float* coefficient(int index) const { return coefficients + index * row; }
+
+  // Fills coefficient `index` with value(c) for each channel's positions.
+  template <typename Value>
+  void fill(int index, int64_t spatial, Value value) const {
+    float* out = coefficient(index);
+    for (int64_t c = first; c < last; ++c) std::fill_n(out + (c - first) * spatial, spatial, value(c));
+  }
 };
 
 KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
@@ -304,33 +339,102 @@ KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* sq
   *squares += total_squares;
 }
 
+KERNEL_CLONES void column_sums(const float* p, int64_t n, double* sum, double* squares) {
+  for (int64_t i = 0; i < n; ++i) {
+    sum[i] += p[i];
+    squares[i] += static_cast<double>(p[i]) * p[i];
+  }
+}
+
+// The per-channel sums of x and x * x over a block.
+void block_sums(const float* x, const Layout& l, const Block& block, double* sum, double* squares) {
+  const int64_t stride = l.channels * l.spatial;
+  if (l.spatial >= kRun) {
+    for (int64_t c = block.first; c < block.last; ++c)
+      for (int64_t n = 0; n < l.batch; ++n)
+        plane_sums(x + n * stride + c * l.spatial, l.spatial, &sum[c - block.first], &squares[c - block.first]);
+    return;
+  }
+  double* columns = block.sums;
+  for (int64_t n = 0; n < l.batch; ++n)
+    column_sums(x + n * stride + block.first * l.spatial, block.row, columns, columns + block.row);
+  for (int64_t c = block.first; c < block.last; ++c)
+    for (int64_t i = 0; i < l.spatial; ++i) {
+      sum[c - block.first] += columns[(c - block.first) * l.spatial + i];
+      squares[c - block.first] += columns[block.row + (c - block.first) * l.spatial + i];
+    }
+}
+
+// The forward: per-channel mean and biased variance, then y = x * a + b, clamped.
+
+struct ForwardWork {
+  const float* x;
+  const float* scale;
+  const float* bias;
+  float* y;
+  float* mean;
+  float* var;
+  float* invstd;
+  Layout layout;
+  Blocks blocks;
+  float epsilon;
+  int clamp;
+  Bounds bounds;
+};
+
 template <int kClamp>
 KERNEL_CLONES void plane_affine(const float* x, float* y, int64_t n, Affine f, Bounds bounds) {
   for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(x[i] * f.a + f.b, bounds);
 }
 
-void forward_channel(void* data, size_t c) {
-  const ForwardWork& w = *static_cast<const ForwardWork*>(data);
+template <int kClamp>
+KERNEL_CLONES void row_affine(const float* x, float* y, int64_t n, const float* a, const float* b, Bounds bounds) {
+  for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(x[i] * a[i] + b[i], bounds);
+}
+
+// y for a block whose statistics are known.
+template <int kClamp>
+void normalize_block(const ForwardWork& w, const Block& block) {
   const Layout& l = w.layout;
   const int64_t stride = l.channels * l.spatial;
-  double sum = 0.0, squares = 0.0;
-  for (int64_t n = 0; n < l.batch; ++n) plane_sums(w.x + n * stride + c * l.spatial, l.spatial, &sum, &squares);
-  const double count = static_cast<double>(l.batch * l.spatial);
-  const double mean = sum / count;
-  const double var = std::max(squares / count - mean * mean, 0.0);
-  w.mean[c] = static_cast<float>(mean);
-  w.var[c] = static_cast<float>(var);
-  w.invstd[c] = static_cast<float>(1.0 / std::sqrt(var + static_cast<double>(w.epsilon)));
-  const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
-  for (int64_t n = 0; n < l.batch; ++n) {
-    const int64_t offset = n * stride + c * l.spatial;
-    if (w.clamp == kLower)
-      plane_affine<kLower>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
-    else if (w.clamp == kBoth)
-      plane_affine<kBoth>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
-    else
-      plane_affine<kNone>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
+  if (l.spatial >= kRun) {
+    for (int64_t c = block.first; c < block.last; ++c) {
+      const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
+      for (int64_t n = 0; n < l.batch; ++n) {
+        const int64_t offset = n * stride + c * l.spatial;
+        plane_affine<kClamp>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
+      }
+    }
+    return;
   }
+  block.fill(0, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).a; });
+  block.fill(1, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).b; });
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const int64_t offset = n * stride + block.first * l.spatial;
+    row_affine<kClamp>(w.x + offset, w.y + offset, block.row, block.coefficient(0), block.coefficient(1), w.bounds);
+  }
+}
+
+void forward_block(void* data, size_t task) {
+  const ForwardWork& w = *static_cast<const ForwardWork*>(data);
+  const Layout& l = w.layout;
+  const Block block(l, w.blocks, task);
+  std::vector<double> sum(static_cast<size_t>(block.last - block.first)), squares(sum.size());
+  block_sums(w.x, l, block, sum.data(), squares.data());
+  const double count = static_cast<double>(l.batch * l.spatial);
+  for (int64_t c = block.first; c < block.last; ++c) {
+    const double mean = sum[c - block.first] / count;
+    const double var = std::max(squares[c - block.first] / count - mean * mean, 0.0);
+    w.mean[c] = static_cast<float>(mean);
+    w.var[c] = static_cast<float>(var);
+    w.invstd[c] = static_cast<float>(1.0 / std::sqrt(var + static_cast<double>(w.epsilon)));
+  }
+  if (w.clamp == kLower)
+    normalize_block<kLower>(w, block);
+  else if (w.clamp == kBoth)
+    normalize_block<kBoth>(w, block);
+  else
+    normalize_block<kNone>(w, block);
 }
 
 struct ForwardKernel {
@@ -350,18 +454,19 @@ OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(channel_layout(x, op, &layout));
   RETURN_IF_ERROR(check_channels(scale, layout.channels, op, "scale"));
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
-  ForwardWork work{x.data, scale.data, bias.data, nullptr, nullptr, nullptr, nullptr, layout, k.epsilon, k.clamp, k.bounds};
+  ForwardWork work{x.data, scale.data, bias.data, nullptr, nullptr,   nullptr,
+                   nullptr, layout,     blocks_of(layout), k.epsilon, k.clamp, k.bounds};
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.y));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.mean));
   RETURN_IF_ERROR(make_output(context, 2, channels, 1, &work.var));
   RETURN_IF_ERROR(make_output(context, 3, channels, 1, &work.invstd));
   if (x.numel() == 0) return nullptr;
-  return parallel_for(context, forward_channel, static_cast<size_t>(layout.channels), &work);
+  return parallel_for(context, forward_block, static_cast<size_t>(work.blocks.count), &work);
 }
 
-// The gradient: with g = dY (kept where the clamp passed it through), per channel sum(g) and sum(g * (x - mean)), then
-// dx = (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M) * scale * invstd.
+// The gradient: with g = dY (kept where the clamp passed it through), per channel sum(g) and
+// sum(g * (x - mean)), then dx = (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M) * scale * invstd.
 
 struct BackwardWork {
   const float* grad;
@@ -374,9 +479,13 @@ struct BackwardWork {
   float* grad_scale;
   float* grad_bias;
   Layout layout;
+  Blocks blocks;
   int clamp;
   Bounds bounds;
 };
+
+// Coefficient arrays of a block in the gradient.
+enum GradCoefficient { kA = 0, kB = 1, kMean = 2, kShift = 3, kProjection = 4, kScale = 5 };
 
 template <int kClamp>
 KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, float mean, Affine f, Bounds bounds,
@@ -387,7 +496,7 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
     float s[kLanes] = {}, d[kLanes] = {};
     for (int64_t i = start; i < start + kRun; i += kLanes)
       for (int64_t j = 0; j < kLanes; ++j) {
-        const float gi = kept<kClamp>(g[i + j], x[i + j], f, bounds);
+        const float gi = kept<kClamp>(g[i + j], x[i + j], f.a, f.b, bounds);
         s[j] += gi;
         d[j] += gi * (x[i + j] - mean);
       }
@@ -395,7 +504,7 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
     total_dot += lane_total(d);
   }
   for (int64_t i = start; i < n; ++i) {
-    const float gi = kept<kClamp>(g[i], x[i], f, bounds);
+    const float gi = kept<kClamp>(g[i], x[i], f.a, f.b, bounds);
     total += gi;
     total_dot += static_cast<double>(gi) * (x[i] - mean);
   }
@@ -404,47 +513,119 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
 }
 
 template <int kClamp>
+KERNEL_CLONES void column_grad_sums(const float* g, const float* x, int64_t n, const float* a, const float* b,
+                                    const float* mean, Bounds bounds, double* sum, double* dot) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = kept<kClamp>(g[i], x[i], a[i], b[i], bounds);
+    sum[i] += gi;
+    dot[i] += static_cast<double>(gi) * (x[i] - mean[i]);
+  }
+}
+
+template <int kClamp>
 KERNEL_CLONES void plane_grad(const float* g, const float* x, float* out, int64_t n, float mean, Affine f,
                               Bounds bounds, float shift, float k, float a) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = kept<kClamp>(g[i], x[i], f, bounds);
+    const float gi = kept<kClamp>(g[i], x[i], f.a, f.b, bounds);
     out[i] = (gi - shift - (x[i] - mean) * k) * a;
   }
 }
 
-void backward_channel(void* data, size_t c) {
-  const BackwardWork& w = *static_cast<const BackwardWork*>(data);
+template <int kClamp>
+KERNEL_CLONES void row_grad(const float* g, const float* x, float* out, int64_t n, const float* const* c,
+                            Bounds bounds) {
+  const float *a = c[kA], *b = c[kB], *mean = c[kMean], *shift = c[kShift], *k = c[kProjection], *scale = c[kScale];
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = kept<kClamp>(g[i], x[i], a[i], b[i], bounds);
+    out[i] = (gi - shift[i] - (x[i] - mean[i]) * k[i]) * scale[i];
+  }
+}
+
+// The per-channel sums of g and g * (x - mean) over a block (coefficients kA, kB and kMean filled).
+template <int kClamp>
+void block_grad_sums(const BackwardWork& w, const Block& block, double* sum, double* dot) {
   const Layout& l = w.layout;
   const int64_t stride = l.channels * l.spatial;
-  const float mean = w.mean[c];
-  const Affine f = affine(w.scale[c], w.bias[c], mean, w.invstd[c]);
-  double sum = 0.0, dot = 0.0;
-  for (int64_t n = 0; n < l.batch; ++n) {
-    const int64_t offset = n * stride + c * l.spatial;
-    if (w.clamp == kLower)
-      plane_grad_sums<kLower>(w.grad + offset, w.x + offset, l.spatial, mean, f, w.bounds, &sum, &dot);
-    else if (w.clamp == kBoth)
-      plane_grad_sums<kBoth>(w.grad + offset, w.x + offset, l.spatial, mean, f, w.bounds, &sum, &dot);
-    else
-      plane_grad_sums<kNone>(w.grad + offset, w.x + offset, l.spatial, mean, f, w.bounds, &sum, &dot);
+  if (l.spatial >= kRun) {
+    for (int64_t c = block.first; c < block.last; ++c) {
+      const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
+      for (int64_t n = 0; n < l.batch; ++n) {
+        const int64_t offset = n * stride + c * l.spatial;
+        plane_grad_sums<kClamp>(w.grad + offset, w.x + offset, l.spatial, w.mean[c], f, w.bounds,
+                                &sum[c - block.first], &dot[c - block.first]);
+      }
+    }
+    return;
   }
+  double* columns = block.sums;
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const int64_t offset = n * stride + block.first * l.spatial;
+    column_grad_sums<kClamp>(w.grad + offset, w.x + offset, block.row, block.coefficient(kA),
+                             block.coefficient(kB), block.coefficient(kMean), w.bounds, columns,
+                             columns + block.row);
+  }
+  for (int64_t c = block.first; c < block.last; ++c)
+    for (int64_t i = 0; i < l.spatial; ++i) {
+      sum[c - block.first] += columns[(c - block.first) * l.spatial + i];
+      dot[c - block.first] += columns[block.row + (c - block.first) * l.spatial + i];
+    }
+}
+
+template <int kClamp>
+void backward_block_with(const BackwardWork& w, const Block& block) {
+  const Layout& l = w.layout;
+  const int64_t channels = block.last - block.first;
+  if (l.spatial < kRun) {
+    block.fill(kA, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).a; });
+    block.fill(kB, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).b; });
+    block.fill(kMean, l.spatial, [&](int64_t c) { return w.mean[c]; });
+  }
+  std::vector<double> sum(static_cast<size_t>(channels)), dot(sum.size());
+  block_grad_sums<kClamp>(w, block, sum.data(), dot.data());
   const double count = static_cast<double>(l.batch * l.spatial);
-  const double invstd = w.invstd[c];
-  w.grad_scale[c] = static_cast<float>(dot * invstd);
-  w.grad_bias[c] = static_cast<float>(sum);
-  const float shift = static_cast<float>(sum / count);
-  const float k = static_cast<float>(dot * invstd * invstd / count);
-  const float a = static_cast<float>(static_cast<double>(w.scale[c]) * invstd);
-  for (int64_t n = 0; n < l.batch; ++n) {
-    const int64_t offset = n * stride + c * l.spatial;
-    float* out = w.grad_x + offset;
-    if (w.clamp == kLower)
-      plane_grad<kLower>(w.grad + offset, w.x + offset, out, l.spatial, mean, f, w.bounds, shift, k, a);
-    else if (w.clamp == kBoth)
-      plane_grad<kBoth>(w.grad + offset, w.x + offset, out, l.spatial, mean, f, w.bounds, shift, k, a);
-    else
-      plane_grad<kNone>(w.grad + offset, w.x + offset, out, l.spatial, mean, f, w.bounds, shift, k, a);
+  for (int64_t c = block.first; c < block.last; ++c) {
+    const double invstd = w.invstd[c];
+    w.grad_scale[c] = static_cast<float>(dot[c - block.first] * invstd);
+    w.grad_bias[c] = static_cast<float>(sum[c - block.first]);
   }
+  const auto shift = [&](int64_t c) { return static_cast<float>(sum[c - block.first] / count); };
+  const auto projection = [&](int64_t c) {
+    const double invstd = w.invstd[c];
+    return static_cast<float>(dot[c - block.first] * invstd * invstd / count);
+  };
+  const auto scale = [&](int64_t c) { return static_cast<float>(static_cast<double>(w.scale[c]) * w.invstd[c]); };
+  const int64_t stride = l.channels * l.spatial;
+  if (l.spatial >= kRun) {
+    for (int64_t c = block.first; c < block.last; ++c) {
+      const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
+      for (int64_t n = 0; n < l.batch; ++n) {
+        const int64_t offset = n * stride + c * l.spatial;
+        plane_grad<kClamp>(w.grad + offset, w.x + offset, w.grad_x + offset, l.spatial, w.mean[c], f, w.bounds,
+                           shift(c), projection(c), scale(c));
+      }
+    }
+    return;
+  }
+  block.fill(kShift, l.spatial, shift);
+  block.fill(kProjection, l.spatial, projection);
+  block.fill(kScale, l.spatial, scale);
+  const float* coefficients[Block::kCoefficients];
+  for (int i = 0; i < Block::kCoefficients; ++i) coefficients[i] = block.coefficient(i);
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const int64_t offset = n * stride + block.first * l.spatial;
+    row_grad<kClamp>(w.grad + offset, w.x + offset, w.grad_x + offset, block.row, coefficients, w.bounds);
+  }
+}
+
+void backward_block(void* data, size_t task) {
+  const BackwardWork& w = *static_cast<const BackwardWork*>(data);
+  const Block block(w.layout, w.blocks, task);
+  if (w.clamp == kLower)
+    backward_block_with<kLower>(w, block);
+  else if (w.clamp == kBoth)
+    backward_block_with<kBoth>(w, block);
+  else
+    backward_block_with<kNone>(w, block);
 }
 
 struct BackwardKernel {
@@ -470,8 +651,8 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
   RETURN_IF_ERROR(check_channels(mean, layout.channels, op, "mean"));
   RETURN_IF_ERROR(check_channels(invstd, layout.channels, op, "invstd"));
-  BackwardWork work{grad.data, x.data,  scale.data, bias.data, mean.data, invstd.data,
-                    nullptr,   nullptr, nullptr,    layout,    k.clamp,     k.bounds};
+  BackwardWork work{grad.data, x.data,  scale.data, bias.data,         mean.data, invstd.data,
+                    nullptr,   nullptr, nullptr,    layout,    blocks_of(layout), k.clamp,   k.bounds};
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.grad_scale));
@@ -480,7 +661,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
     for (int64_t c = 0; c < layout.channels; ++c) work.grad_scale[c] = work.grad_bias[c] = 0.0f;
     return nullptr;
   }
-  return parallel_for(context, backward_channel, static_cast<size_t>(layout.channels), &work);
+  return parallel_for(context, backward_block, static_cast<size_t>(work.blocks.count), &work);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
