@@ -92,7 +92,6 @@ enum ApiEntry : size_t {
   kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
   kGetBuildInfoString = 254,
   kKernelContextParallelFor = 274,
@@ -112,25 +111,23 @@ class Api {
     return at<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, message.c_str());
   }
 
-  void release(OrtStatus* status) const { at<void (*)(OrtStatus*)>(kReleaseStatus)(status); }
-
  private:
   void* const* table_;
 };
 
 const Api* api = nullptr;
 
-// Returns early from the enclosing function with `call`'s status when it is an error.
 // The elementwise loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one for the CPU.
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #define KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define KERNEL_CLONES
 #endif
 
-#define RETURN_IF_ERROR(call)            \
-  do {                                   \
-    OrtStatus* status_ = (call);         \
+// Returns early from the enclosing function with `call`'s status when it is an error.
+#define RETURN_IF_ERROR(call)               \
+  do {                                      \
+    OrtStatus* status_ = (call);            \
     if (status_ != nullptr) return status_; \
   } while (0)
 
@@ -207,7 +204,7 @@ OrtStatus* check_channels(const Tensor& t, int64_t channels, const char* op, con
 
 // ---------------------------------------------------------------------------------------------------------------
 // Both passes normalize as y = x * a + b with a = scale * invstd and b = bias - mean * a, in float, from the
-// float statistics the forward outputs: the gradient recomputes y's sign from X (with relu) instead of reading
+// float statistics the forward outputs: the gradient recomputes y from X (for the clamp's mask) instead of reading
 // the forward's output. The library is compiled without floating-point contraction, so both compute the same y.
 
 // Sums are taken in kLanes independent float accumulators (which the compiler keeps in vector registers: a

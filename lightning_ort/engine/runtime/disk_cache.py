@@ -162,7 +162,8 @@ def _versions() -> tuple[str, ...]:
 
 @Once
 def source_hash() -> str:
-    """SHA-256 of lightning_ort's Python source files: the code that turns graphs into ONNX models.
+    """SHA-256 of the engine's source files: the code that turns graphs into ONNX models, and the C++ of the ONNX
+    Runtime kernels the models may use.
 
     Example:
         >>> len(source_hash())
@@ -170,7 +171,7 @@ def source_hash() -> str:
     """
     digest = hashlib.sha256()
     package = Path(__file__).resolve().parents[1]
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cpp")]):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
