@@ -37,29 +37,36 @@ def batch_norm_training_op(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
     eps: float,
     clamp: bool,
     low: float,
     high: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batch norm with the batch's statistics, then clamped to ``[low, high]`` if ``clamp``:
-    ``(output, mean, var, invstd)``.
+    ``(output, mean, invstd, new_running_mean, new_running_var)``.
 
-    ReLU is the clamp to ``[0, inf]``, ReLU6 to ``[0, 6]``. ``var`` is the biased variance,
-    ``invstd = 1 / sqrt(var + eps)``; ``input`` is ``[N, C, ...]``, ``weight`` and ``bias`` are ``[C]``. ONNX
-    Runtime runs it as ``ai.lightning_ort::BatchNormTraining``.
+    ReLU is the clamp to ``[0, inf]``, ReLU6 to ``[0, 6]``. ``invstd = 1 / sqrt(var + eps)`` with the biased
+    variance; the running statistics are updated as PyTorch updates them (``momentum`` times the batch's mean or
+    unbiased variance, plus ``1 - momentum`` times the running value). ``input`` is ``[N, C, ...]``, the others
+    ``[C]``. ONNX Runtime runs it as ``ai.lightning_ort::BatchNormTraining``.
 
     Example:
-        >>> x, w, b = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3)
-        >>> out, mean, var, invstd = batch_norm_training_op(x, w, b, 1e-5, True, 0.0, math.inf)
-        >>> torch.allclose(out, torch.relu(F.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)), atol=1e-5)
+        >>> x, w, b, mean, var = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3), torch.zeros(3), torch.ones(3)
+        >>> out, *_ = batch_norm_training_op(x, w, b, mean, var, 0.1, 1e-5, True, 0.0, math.inf)
+        >>> torch.allclose(out, torch.relu(F.batch_norm(x, mean, var, w, b, True, 0.1, 1e-5)), atol=1e-5)
         True
     """
     dims, _ = _channel_dims(input)
     var, mean = torch.var_mean(input, dims, correction=0)
     invstd = torch.rsqrt(var + eps)
     output = _normalized(input, weight, bias, mean, invstd)
-    return (output.clamp(low, high) if clamp else output), mean, var, invstd
+    count = input.numel() // input.shape[1]
+    new_running_mean = momentum * mean + (1 - momentum) * running_mean
+    new_running_var = momentum * (var * (count / max(count - 1, 1))) + (1 - momentum) * running_var
+    return (output.clamp(low, high) if clamp else output), mean, invstd, new_running_mean, new_running_var
 
 
 def _normalized(
@@ -77,13 +84,16 @@ def _batch_norm_training_fake(
     input: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
     eps: float,
     clamp: bool,
     low: float,
     high: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    channels = input.shape[1]
-    return torch.empty_like(input), input.new_empty(channels), input.new_empty(channels), input.new_empty(channels)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    per_channel = torch.empty_like(weight)
+    return torch.empty_like(input), per_channel, per_channel.clone(), per_channel.clone(), per_channel.clone()
 
 
 @torch.library.custom_op("lightning_ort::batch_norm_training_backward", mutates_args=())
@@ -107,7 +117,7 @@ def batch_norm_training_backward_op(
 
     Example:
         >>> x, w, b, g = torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3), torch.randn(4, 3, 5, 5)
-        >>> out, mean, _, invstd = batch_norm_training_op(x, w, b, 1e-5, True, 0.0, math.inf)
+        >>> out, mean, invstd, *_ = batch_norm_training_op(x, w, b, w, w, 0.1, 1e-5, True, 0.0, math.inf)
         >>> grads = batch_norm_training_backward_op(g, x, w, b, mean, invstd, True, 0.0, math.inf)
         >>> x_, w_, b_ = (t.clone().requires_grad_() for t in (x, w, b))
         >>> torch.relu(F.batch_norm(x_, None, None, w_, b_, True, 0.1, 1e-5)).backward(g)
@@ -167,13 +177,23 @@ class _BatchNormTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, clamp: Clamp
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        running_mean: torch.Tensor,
+        running_var: torch.Tensor,
+        momentum: float,
+        eps: float,
+        clamp: Clamp,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        output, mean, var, invstd = BATCH_NORM_TRAINING(input, weight, bias, eps, *_clamp_arguments(clamp))
+        output, mean, invstd, new_running_mean, new_running_var = BATCH_NORM_TRAINING(
+            input, weight, bias, running_mean, running_var, momentum, eps, *_clamp_arguments(clamp)
+        )
         ctx.clamp = clamp
         ctx.save_for_backward(input, weight, bias, mean, invstd)
-        ctx.mark_non_differentiable(mean, var)
-        return output, mean, var
+        ctx.mark_non_differentiable(new_running_mean, new_running_var)
+        return output, new_running_mean, new_running_var
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor, *_: Any) -> tuple[Any, ...]:
@@ -181,7 +201,7 @@ class _BatchNormTraining(torch.autograd.Function):
         grads = BATCH_NORM_TRAINING_BACKWARD(
             grad_output, input, weight, bias, mean, invstd, *_clamp_arguments(ctx.clamp)
         )
-        return *grads, None, None
+        return *grads, None, None, None, None, None
 
 
 def batch_norm_training(
@@ -204,15 +224,19 @@ def batch_norm_training(
         >>> torch.allclose(mean, 0.1 * x.mean((0, 2, 3)), atol=1e-6)
         True
     """
-    channels = input.shape[1]
-    scale = weight if weight is not None else torch.ones(channels, dtype=input.dtype, device=input.device)
-    shift = bias if bias is not None else torch.zeros(channels, dtype=input.dtype, device=input.device)
-    output, mean, var = _BatchNormTraining.apply(input, scale, shift, eps, clamp)
-    count = input.numel() // channels
+
+    def ones() -> torch.Tensor:
+        return torch.ones(input.shape[1], dtype=input.dtype, device=input.device)
+
+    scale = weight if weight is not None else ones()
+    shift = bias if bias is not None else torch.zeros_like(ones())
+    mean_in = running_mean if running_mean is not None else torch.zeros_like(ones())
+    var_in = running_var if running_var is not None else ones()
+    output, new_mean, new_var = _BatchNormTraining.apply(input, scale, shift, mean_in, var_in, momentum, eps, clamp)
     if running_mean is not None:
-        running_mean.copy_(momentum * mean + (1 - momentum) * running_mean)
+        running_mean.copy_(new_mean)
     if running_var is not None:
-        running_var.copy_(var * (momentum * count / max(count - 1, 1)) + (1 - momentum) * running_var)
+        running_var.copy_(new_var)
     return output
 
 

@@ -39,9 +39,9 @@ def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, 
 
 _BATCH_NORM_TRAINING = _op(
     "BatchNormTraining",
-    ["X", "scale", "B"],
-    ["Y", "mean", "var", "invstd"],
-    {"epsilon": FLOAT, "clamp": INT, "min": FLOAT, "max": FLOAT},
+    ["X", "scale", "B", "running_mean", "running_var"],
+    ["Y", "mean", "invstd", "new_running_mean", "new_running_var"],
+    {"epsilon": FLOAT, "momentum": FLOAT, "clamp": INT, "min": FLOAT, "max": FLOAT},
 )
 _BATCH_NORM_TRAINING_GRAD = _op(
     "BatchNormTrainingGrad",
@@ -51,9 +51,31 @@ _BATCH_NORM_TRAINING_GRAD = _op(
 )
 
 
-def batch_norm_training(input: Any, weight: Any, bias: Any, eps: float, clamp: bool, low: float, high: float) -> Any:
+def batch_norm_training(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    momentum: float,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING` as one ``BatchNormTraining`` node."""
-    return _BATCH_NORM_TRAINING(input, weight, bias, epsilon=eps, clamp=int(clamp), min=low, max=high)
+    return _BATCH_NORM_TRAINING(
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        epsilon=eps,
+        momentum=momentum,
+        clamp=int(clamp),
+        min=low,
+        max=high,
+    )
 
 
 def batch_norm_training_backward(

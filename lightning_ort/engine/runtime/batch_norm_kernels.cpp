@@ -5,8 +5,11 @@
 // each one a full pass over the activation. These two kernels take two passes each: the per-channel sums, then
 // the elementwise result.
 //
-//   ai.lightning_ort::BatchNormTraining(X, scale, bias) -> (Y, mean, var, invstd)
-//       attributes: epsilon (float); clamp (int, 0 or 1), min and max (floats). var is the biased batch variance.
+//   ai.lightning_ort::BatchNormTraining(X, scale, bias, running_mean, running_var)
+//           -> (Y, mean, invstd, new_running_mean, new_running_var)
+//       attributes: epsilon and momentum (floats); clamp (int, 0 or 1), min and max (floats). The running
+//       statistics are updated as PyTorch updates them: momentum * batch value + (1 - momentum) * running value,
+//       with the unbiased batch variance.
 //       With clamp, Y is clamped to [min, max]: ReLU is min = 0, max = inf; ReLU6 (hardtanh) min = 0, max = 6.
 //   ai.lightning_ort::BatchNormTrainingGrad(dY, X, scale, bias, mean, invstd) -> (dX, dscale, dbias)
 //       attributes: clamp, min, max. With clamp, dY is kept only where the normalized value v was inside the
@@ -362,19 +365,23 @@ void block_sums(const float* x, const Layout& l, const Block& block, double* sum
     }
 }
 
-// The forward: per-channel mean and biased variance, then y = x * a + b, clamped.
+// The forward: per-channel mean and biased variance, the running statistics, then y = x * a + b, clamped.
 
 struct ForwardWork {
   const float* x;
   const float* scale;
   const float* bias;
+  const float* running_mean;
+  const float* running_var;
   float* y;
   float* mean;
-  float* var;
   float* invstd;
+  float* new_running_mean;
+  float* new_running_var;
   Layout layout;
   Blocks blocks;
   float epsilon;
+  float momentum;
   int clamp;
   Bounds bounds;
 };
@@ -423,8 +430,10 @@ void forward_block(void* data, size_t task) {
     const double mean = sum[c - block.first] / count;
     const double var = std::max(squares[c - block.first] / count - mean * mean, 0.0);
     w.mean[c] = static_cast<float>(mean);
-    w.var[c] = static_cast<float>(var);
     w.invstd[c] = static_cast<float>(1.0 / std::sqrt(var + static_cast<double>(w.epsilon)));
+    const float unbiased = static_cast<float>(var * count / std::max(count - 1.0, 1.0));
+    w.new_running_mean[c] = w.momentum * w.mean[c] + (1.0f - w.momentum) * w.running_mean[c];
+    w.new_running_var[c] = w.momentum * unbiased + (1.0f - w.momentum) * w.running_var[c];
   }
   if (w.clamp == kLower)
     normalize_block<kLower>(w, block);
@@ -436,6 +445,7 @@ void forward_block(void* data, size_t task) {
 
 struct ForwardKernel {
   float epsilon;
+  float momentum;
   int clamp;
   Bounds bounds;
 };
@@ -443,21 +453,36 @@ struct ForwardKernel {
 OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   const ForwardKernel& k = *static_cast<const ForwardKernel*>(kernel);
   const char* op = "BatchNormTraining";
-  Tensor x, scale, bias;
+  Tensor x, scale, bias, running_mean, running_var;
   RETURN_IF_ERROR(read_input(context, 0, &x));
   RETURN_IF_ERROR(read_input(context, 1, &scale));
   RETURN_IF_ERROR(read_input(context, 2, &bias));
+  RETURN_IF_ERROR(read_input(context, 3, &running_mean));
+  RETURN_IF_ERROR(read_input(context, 4, &running_var));
   Layout layout;
   RETURN_IF_ERROR(channel_layout(x, op, &layout));
   RETURN_IF_ERROR(check_channels(scale, layout.channels, op, "scale"));
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
-  ForwardWork work{x.data, scale.data, bias.data, nullptr, nullptr,   nullptr,
-                   nullptr, layout,     blocks_of(layout), k.epsilon, k.clamp, k.bounds};
+  RETURN_IF_ERROR(check_channels(running_mean, layout.channels, op, "running_mean"));
+  RETURN_IF_ERROR(check_channels(running_var, layout.channels, op, "running_var"));
+  ForwardWork work{};
+  work.x = x.data;
+  work.scale = scale.data;
+  work.bias = bias.data;
+  work.running_mean = running_mean.data;
+  work.running_var = running_var.data;
+  work.layout = layout;
+  work.blocks = blocks_of(layout);
+  work.epsilon = k.epsilon;
+  work.momentum = k.momentum;
+  work.clamp = k.clamp;
+  work.bounds = k.bounds;
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.y));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.mean));
-  RETURN_IF_ERROR(make_output(context, 2, channels, 1, &work.var));
-  RETURN_IF_ERROR(make_output(context, 3, channels, 1, &work.invstd));
+  RETURN_IF_ERROR(make_output(context, 2, channels, 1, &work.invstd));
+  RETURN_IF_ERROR(make_output(context, 3, channels, 1, &work.new_running_mean));
+  RETURN_IF_ERROR(make_output(context, 4, channels, 1, &work.new_running_var));
   if (x.numel() == 0) return nullptr;
   return parallel_for(context, forward_block, static_cast<size_t>(work.blocks.count), &work);
 }
@@ -688,6 +713,7 @@ struct OpDefinition : OrtCustomOp {
 OrtStatus* create_forward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
   ForwardKernel k{};
   RETURN_IF_ERROR(read_float(info, "epsilon", &k.epsilon));
+  RETURN_IF_ERROR(read_float(info, "momentum", &k.momentum));
   RETURN_IF_ERROR(read_clamp(info, &k.clamp, &k.bounds));
   *kernel = new ForwardKernel(k);
   return nullptr;
@@ -730,7 +756,7 @@ OpDefinition make_op(const char* name, size_t inputs, size_t outputs,
   return op;
 }
 
-OpDefinition forward_op = make_op("BatchNormTraining", 3, 4, create_forward, forward_compute, destroy_forward);
+OpDefinition forward_op = make_op("BatchNormTraining", 5, 5, create_forward, forward_compute, destroy_forward);
 OpDefinition backward_op =
     make_op("BatchNormTrainingGrad", 6, 3, create_backward, backward_compute, destroy_backward);
 

@@ -1,13 +1,15 @@
 """lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``).
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
-folder, once per installation and source), which ONNX Runtime loads into each session whose model uses their
+folder, under a name with a hash of the source, so that two versions of lightning_ort on one machine do not
+rebuild each other's), which ONNX Runtime loads into each session whose model uses their
 domain (:data:`~lightning_ort.engine.onnx.custom_ops.DOMAIN`). Without a C++ compiler the build fails once, a
 warning says so, and graphs keep the standard ONNX ops.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.errors import first_line
 
 _SOURCE = Path(__file__).with_name("batch_norm_kernels.cpp")
-_LIBRARY = "lightning_ort_batch_norm_kernels"
+_FLAGS = ["-O3", "-ffp-contract=off"]
 
 
 @Once
@@ -28,9 +30,8 @@ def batch_norm_kernels() -> Path | None:
     try:
         from torch.utils import cpp_extension
 
-        path = cpp_extension.load(
-            _LIBRARY, [str(_SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False
-        )
+        name = f"lightning_ort_batch_norm_kernels_{_source_digest()}"
+        path = cpp_extension.load(name, [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False)
     except Exception as err:
         warnings.warn(
             f"lightning_ort: its fused batch-norm kernels could not be built ({first_line(err)}); batch norms "
@@ -40,6 +41,11 @@ def batch_norm_kernels() -> Path | None:
         )
         return None
     return Path(path)
+
+
+def _source_digest() -> str:
+    """The first 12 hex digits of the SHA-256 of the kernels' source and compiler flags."""
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
 
 
 def uses_kernels(model: onnx.ModelProto) -> bool:
