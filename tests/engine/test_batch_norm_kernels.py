@@ -239,7 +239,7 @@ def test_without_a_compiler_batch_norms_keep_the_standard_onnx_ops(
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     cpu_kernels.batch_norm_kernels.cache_clear()
     try:
-        with pytest.warns(UserWarning, match=r"could not be built \(c\+\+: command not found\).*C\+\+ compiler"):
+        with pytest.warns(UserWarning, match=r"could not be built or did not run right \(c\+\+: command not found\)"):
             assert cpu_kernels.batch_norm_kernels() is None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -251,6 +251,22 @@ def test_without_a_compiler_batch_norms_keep_the_standard_onnx_ops(
         )
         with pytest.raises(RuntimeError, match="could not be built here; clear the graph cache"):
             cpu_kernels.register_kernels(ort.SessionOptions(), uses_them)
+    finally:
+        cpu_kernels.batch_norm_kernels.cache_clear()
+
+
+def test_a_library_onnx_runtime_cannot_load_is_reported_and_not_used(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torch.utils import cpp_extension
+
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: str(broken))
+    cpu_kernels.batch_norm_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be built or did not run right"):
+            assert cpu_kernels.batch_norm_kernels() is None
     finally:
         cpu_kernels.batch_norm_kernels.cache_clear()
 

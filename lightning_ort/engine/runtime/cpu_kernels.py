@@ -3,19 +3,26 @@
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
 folder, under a name with a hash of the source, so that two versions of lightning_ort on one machine do not
 rebuild each other's), which ONNX Runtime loads into each session whose model uses their
-domain (:data:`~lightning_ort.engine.onnx.custom_ops.DOMAIN`). Without a C++ compiler the build fails once, a
-warning says so, and graphs keep the standard ONNX ops.
+domain (:data:`~lightning_ort.engine.onnx.custom_ops.DOMAIN`). Once built, a small batch norm runs through them
+and is compared with the op's PyTorch form before any graph uses them. Where the build or that check fails (no
+C++ compiler, an ONNX Runtime whose C API the kernels do not read right), a warning says so, once, and graphs
+keep the standard ONNX ops.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnxruntime as ort
+import torch
+from onnx import helper
 
+from lightning_ort.engine.fx.batch_norm import BATCH_NORM_TRAINING
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.errors import first_line
@@ -26,21 +33,52 @@ _FLAGS = ["-O3", "-ffp-contract=off"]
 
 @Once
 def batch_norm_kernels() -> Path | None:
-    """The built kernel library, or ``None`` (with a warning, once) where it cannot be built."""
+    """The built and checked kernel library, or ``None`` (with a warning, once) where that fails."""
     try:
         from torch.utils import cpp_extension
 
         name = f"lightning_ort_batch_norm_kernels_{_source_digest()}"
-        path = cpp_extension.load(name, [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False)
+        path = Path(cpp_extension.load(name, [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False))
+        _check(path)
     except Exception as err:
         warnings.warn(
-            f"lightning_ort: its fused batch-norm kernels could not be built ({first_line(err)}); batch norms "
-            "run as standard ONNX ops, which is slower on CPU. Install a C++ compiler (g++ or clang++) to build "
-            "them.",
+            f"lightning_ort: its fused batch-norm kernels could not be built or did not run right "
+            f"({first_line(err)}); batch norms run as standard ONNX ops, which is slower on CPU. Install a C++ "
+            "compiler (g++ or clang++) to build them.",
             stacklevel=2,
         )
         return None
-    return Path(path)
+    return path
+
+
+def _check(library: Path) -> None:
+    """Run a batch norm with ReLU through ``library``'s forward kernel and compare it with the op's PyTorch form.
+
+    Raises:
+        Exception: ONNX Runtime refused the library or the node, or the results differ.
+    """
+    shapes = {"X": [2, 3, 4, 5], "scale": [3], "B": [3], "running_mean": [3], "running_var": [3]}
+    outputs = ["Y", "mean", "invstd", "new_running_mean", "new_running_var"]
+    attributes: dict[str, Any] = {"epsilon": 1e-5, "momentum": 0.1, "clamp": 1, "min": 0.0, "max": math.inf}
+    node = helper.make_node("BatchNormTraining", list(shapes), outputs, domain=DOMAIN, **attributes)
+    graph = helper.make_graph(
+        [node],
+        "batch_norm_kernels_check",
+        [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape) for name, shape in shapes.items()],
+        [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in outputs],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    generator = torch.Generator().manual_seed(0)
+    feeds = {name: torch.rand(shape, generator=generator) * 2 - 0.5 for name, shape in shapes.items()}
+    feeds["running_var"] = feeds["running_var"].abs()
+    expected = BATCH_NORM_TRAINING(*feeds.values(), 0.1, 1e-5, True, 0.0, math.inf)
+    actual = session.run(None, {name: value.numpy() for name, value in feeds.items()})
+    for name, ours, theirs in zip(outputs, actual, expected, strict=True):
+        torch.testing.assert_close(torch.from_numpy(ours), theirs, rtol=1e-4, atol=1e-5, msg=f"output {name}")
 
 
 def _source_digest() -> str:
