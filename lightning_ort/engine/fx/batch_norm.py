@@ -3,16 +3,17 @@
 ONNX has no training-mode batch norm, and the public onnxruntime wheel no training kernels, so its standard form
 is a chain of separate nodes: the means, the centred input and its square, ``BatchNormalization`` with the batch
 statistics and ``Relu`` (or ``Clip``) in the forward; about nine in the backward (the activation's mask, two
-sums, the scaled difference). Each is a full pass over the activation; for convolutional nets they take as long as the
-convolutions. lightning_ort's own CPU kernels (``engine/runtime/batch_norm_kernels.cpp``) take two passes each
-way: the per-channel sums, then the elementwise result.
+sums, the scaled difference), each a full pass over the activation. lightning_ort's own CPU kernels
+(``engine/runtime/batch_norm_kernels.cpp``) take two passes each way: the per-channel sums, then the elementwise
+result.
 
 :func:`fuse_batch_norms` points TorchDynamo's ``F.batch_norm`` calls in training mode, together with an
 ``F.relu``, ``F.relu6`` or ``F.hardtanh`` that is their only consumer (a clamp of the output), at
 :func:`batch_norm_training`: an autograd function over two PyTorch ops, :data:`BATCH_NORM_TRAINING` and
 :data:`BATCH_NORM_TRAINING_BACKWARD`, which the export translates to the kernels
 (:mod:`lightning_ort.engine.onnx.custom_ops`). Their PyTorch implementations compute the same values,
-for a graph that runs in PyTorch. The running statistics are updated in the graph, as ``F.batch_norm`` does.
+for a graph that runs in PyTorch. The forward op also returns the updated running statistics, which the graph
+copies into the buffers, as ``F.batch_norm`` updates them in place.
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
-
-def _channel_dims(input: torch.Tensor) -> tuple[list[int], list[int]]:
-    """The reduction dims of a batch norm over ``input`` (all but channels) and the shape a per-channel vector
-    broadcasts with."""
-    return [0, *range(2, input.dim())], [1, input.shape[1], *([1] * (input.dim() - 2))]
+from lightning_ort.engine.fx.decompositions import channel_layout
 
 
 @torch.library.custom_op("lightning_ort::batch_norm_training", mutates_args=())
@@ -59,11 +56,10 @@ def batch_norm_training_op(
         >>> torch.allclose(out, torch.relu(F.batch_norm(x, mean, var, w, b, True, 0.1, 1e-5)), atol=1e-5)
         True
     """
-    dims, _ = _channel_dims(input)
+    dims, _, count = channel_layout(input)
     var, mean = torch.var_mean(input, dims, correction=0)
     invstd = torch.rsqrt(var + eps)
     output = _normalized(input, weight, bias, mean, invstd)
-    count = input.numel() // input.shape[1]
     new_running_mean = momentum * mean + (1 - momentum) * running_mean
     new_running_var = momentum * (var * (count / max(count - 1, 1))) + (1 - momentum) * running_var
     return (output.clamp(low, high) if clamp else output), mean, invstd, new_running_mean, new_running_var
@@ -73,8 +69,8 @@ def _normalized(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
 ) -> torch.Tensor:
     """``input * a + b`` with ``a = weight * invstd`` and ``b = bias - mean * a`` per channel: the form the
-    kernels (and PyTorch's CPU kernel) compute, from which the backward recomputes the ReLU's mask."""
-    _, shape = _channel_dims(input)
+    kernels (and PyTorch's CPU kernel) compute, from which the backward recomputes the clamp's mask."""
+    _, shape, _ = channel_layout(input)
     scale = weight * invstd
     return input * scale.reshape(shape) + (bias - mean * scale).reshape(shape)
 
@@ -124,13 +120,12 @@ def batch_norm_training_backward_op(
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad)))
         True
     """
-    dims, shape = _channel_dims(input)
+    dims, shape, count = channel_layout(input)
     grad = grad_output
     if clamp:
         normalized = _normalized(input, weight, bias, mean, invstd)
         inside = normalized > low if math.isinf(high) else (normalized > low) & (normalized < high)
         grad = grad_output.where(inside, 0.0)
-    count = input.numel() // input.shape[1]
     centred = input - mean.reshape(shape)
     grad_sum = grad.sum(dims)
     dot = (grad * centred).sum(dims)

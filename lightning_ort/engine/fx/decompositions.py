@@ -435,7 +435,7 @@ def batch_norm_functional(
     parameters = [t for t in (weight, bias, running_mean, running_var) if t is not None]
     if not training or any(t.dtype != torch.float32 for t in (input, *parameters)):
         return _ATEN_BATCH_NORM_FUNCTIONAL(input, weight, bias, running_mean, running_var, training, momentum, eps)
-    dims, per_channel, count = _channel_layout(input)
+    dims, per_channel, count = channel_layout(input)
     mean = input.mean(dims)
     centred = input - mean.reshape(per_channel)
     var = (centred * centred).mean(dims)
@@ -478,7 +478,7 @@ def batch_norm_backward(
         return _ATEN_BATCH_NORM_BACKWARD(
             grad_output, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
         )
-    dims, per_channel, count = _channel_layout(input)
+    dims, per_channel, count = channel_layout(input)
     centred = input - save_mean.reshape(per_channel)
     grad_sum = grad_output.sum(dims)
     dot = (grad_output * centred).sum(dims)
@@ -496,7 +496,7 @@ def batch_norm_backward(
     return grad_input, grad_weight, grad_bias
 
 
-def _channel_layout(input: torch.Tensor) -> tuple[list[int], list[int], Any]:
+def channel_layout(input: torch.Tensor) -> tuple[list[int], list[int], Any]:
     """Batch norm's reduction dims (all but channels), the shape a per-channel vector broadcasts with, and the
     number of values each channel's statistics cover."""
     dims = [0, *range(2, input.dim())]
