@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 extern "C" {
@@ -287,6 +288,10 @@ Blocks blocks_of(const Layout& l) {
   return {per, (l.channels + per - 1) / per};
 }
 
+// The per-element coefficient arrays of a block's rows: the normalization's a and b (forward and gradient), and
+// the gradient's mean, shift, projection and scale.
+enum Coefficient { kA = 0, kB = 1, kMean = 2, kShift = 3, kProjection = 4, kScale = 5 };
+
 // The channels [first, last) of a block and the coefficient and accumulator space of its rows, reused by the
 // thread's next block.
 struct Block {
@@ -316,7 +321,37 @@ struct Block {
     float* out = coefficient(index);
     for (int64_t c = first; c < last; ++c) std::fill_n(out + (c - first) * spatial, spatial, value(c));
   }
+
+  // Fills kA and kB with each channel's normalization.
+  void fill_affine(int64_t spatial, const float* scale, const float* bias, const float* mean,
+                   const float* invstd) const {
+    for (int64_t c = first; c < last; ++c) {
+      const Affine f = affine(scale[c], bias[c], mean[c], invstd[c]);
+      std::fill_n(coefficient(kA) + (c - first) * spatial, spatial, f.a);
+      std::fill_n(coefficient(kB) + (c - first) * spatial, spatial, f.b);
+    }
+  }
+
+  // Adds the column sums (sums[0, row) and sums[row, 2 * row)) up per channel, into first_total and second_total.
+  void reduce_columns(int64_t spatial, double* first_total, double* second_total) const {
+    for (int64_t c = first; c < last; ++c)
+      for (int64_t i = 0; i < spatial; ++i) {
+        first_total[c - first] += sums[(c - first) * spatial + i];
+        second_total[c - first] += sums[row + (c - first) * spatial + i];
+      }
+  }
 };
+
+// Calls body with the clamp mode as a compile-time constant (std::integral_constant), for the templated loops.
+template <typename Body>
+void with_clamp(int mode, Body body) {
+  if (mode == kLower)
+    body(std::integral_constant<int, kLower>{});
+  else if (mode == kBoth)
+    body(std::integral_constant<int, kBoth>{});
+  else
+    body(std::integral_constant<int, kNone>{});
+}
 
 KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
   double total = 0.0, total_squares = 0.0;
@@ -355,14 +390,9 @@ void block_sums(const float* x, const Layout& l, const Block& block, double* sum
         plane_sums(x + n * stride + c * l.spatial, l.spatial, &sum[c - block.first], &squares[c - block.first]);
     return;
   }
-  double* columns = block.sums;
   for (int64_t n = 0; n < l.batch; ++n)
-    column_sums(x + n * stride + block.first * l.spatial, block.row, columns, columns + block.row);
-  for (int64_t c = block.first; c < block.last; ++c)
-    for (int64_t i = 0; i < l.spatial; ++i) {
-      sum[c - block.first] += columns[(c - block.first) * l.spatial + i];
-      squares[c - block.first] += columns[block.row + (c - block.first) * l.spatial + i];
-    }
+    column_sums(x + n * stride + block.first * l.spatial, block.row, block.sums, block.sums + block.row);
+  block.reduce_columns(l.spatial, sum, squares);
 }
 
 // The forward: per-channel mean and biased variance, the running statistics, then y = x * a + b, clamped.
@@ -411,11 +441,11 @@ void normalize_block(const ForwardWork& w, const Block& block) {
     }
     return;
   }
-  block.fill(0, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).a; });
-  block.fill(1, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).b; });
+  block.fill_affine(l.spatial, w.scale, w.bias, w.mean, w.invstd);
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
-    row_affine<kClamp>(w.x + offset, w.y + offset, block.row, block.coefficient(0), block.coefficient(1), w.bounds);
+    row_affine<kClamp>(w.x + offset, w.y + offset, block.row, block.coefficient(kA), block.coefficient(kB),
+                       w.bounds);
   }
 }
 
@@ -435,12 +465,7 @@ void forward_block(void* data, size_t task) {
     w.new_running_mean[c] = w.momentum * w.mean[c] + (1.0f - w.momentum) * w.running_mean[c];
     w.new_running_var[c] = w.momentum * unbiased + (1.0f - w.momentum) * w.running_var[c];
   }
-  if (w.clamp == kLower)
-    normalize_block<kLower>(w, block);
-  else if (w.clamp == kBoth)
-    normalize_block<kBoth>(w, block);
-  else
-    normalize_block<kNone>(w, block);
+  with_clamp(w.clamp, [&](auto mode) { normalize_block<decltype(mode)::value>(w, block); });
 }
 
 struct ForwardKernel {
@@ -505,9 +530,6 @@ struct BackwardWork {
   int clamp;
   Bounds bounds;
 };
-
-// Coefficient arrays of a block in the gradient.
-enum GradCoefficient { kA = 0, kB = 1, kMean = 2, kShift = 3, kProjection = 4, kScale = 5 };
 
 template <int kClamp>
 KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, float mean, Affine f, Bounds bounds,
@@ -579,18 +601,13 @@ void block_grad_sums(const BackwardWork& w, const Block& block, double* sum, dou
     }
     return;
   }
-  double* columns = block.sums;
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
     column_grad_sums<kClamp>(w.grad + offset, w.x + offset, block.row, block.coefficient(kA),
-                             block.coefficient(kB), block.coefficient(kMean), w.bounds, columns,
-                             columns + block.row);
+                             block.coefficient(kB), block.coefficient(kMean), w.bounds, block.sums,
+                             block.sums + block.row);
   }
-  for (int64_t c = block.first; c < block.last; ++c)
-    for (int64_t i = 0; i < l.spatial; ++i) {
-      sum[c - block.first] += columns[(c - block.first) * l.spatial + i];
-      dot[c - block.first] += columns[block.row + (c - block.first) * l.spatial + i];
-    }
+  block.reduce_columns(l.spatial, sum, dot);
 }
 
 template <int kClamp>
@@ -598,8 +615,7 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
   const Layout& l = w.layout;
   const int64_t channels = block.last - block.first;
   if (l.spatial < kRun) {
-    block.fill(kA, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).a; });
-    block.fill(kB, l.spatial, [&](int64_t c) { return affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]).b; });
+    block.fill_affine(l.spatial, w.scale, w.bias, w.mean, w.invstd);
     block.fill(kMean, l.spatial, [&](int64_t c) { return w.mean[c]; });
   }
   std::vector<double> sum(static_cast<size_t>(channels)), dot(sum.size());
@@ -642,12 +658,7 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
 void backward_block(void* data, size_t task) {
   const BackwardWork& w = *static_cast<const BackwardWork*>(data);
   const Block block(w.layout, w.blocks, task);
-  if (w.clamp == kLower)
-    backward_block_with<kLower>(w, block);
-  else if (w.clamp == kBoth)
-    backward_block_with<kBoth>(w, block);
-  else
-    backward_block_with<kNone>(w, block);
+  with_clamp(w.clamp, [&](auto mode) { backward_block_with<decltype(mode)::value>(w, block); });
 }
 
 struct BackwardKernel {
