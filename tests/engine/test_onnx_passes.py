@@ -23,6 +23,7 @@ from lightning_ort.engine.onnx.passes import (
     cuda_host_nodes,
     dequantize_scaled_masks,
     fuse_transposed_operands,
+    merge_slices,
     nchwc_block_size,
     pad_by_concat,
     split_gemm_bias,
@@ -595,6 +596,59 @@ def test_reshape_chains_and_reshapes_that_change_nothing_are_removed_with_the_sa
     ]
     for actual, wanted in zip(_run_all(model, {"x": x}), expected):
         np.testing.assert_array_equal(actual, wanted)
+
+
+def test_a_slice_of_a_slice_on_other_axes_is_one_slice_with_the_same_result() -> None:
+    def constant(name: str, values: list[int]) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.array(values, np.int64), name)
+
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "seven", "axis_2", "two"], ["rows"], "rows"),
+        helper.make_node("Slice", ["rows", "one", "seven", "axis_3", "two"], ["grid"], "grid"),
+        helper.make_node("Slice", ["x", "zero", "seven", "axis_2", "two"], ["shared"], "shared"),  # read twice
+        helper.make_node("Slice", ["shared", "one", "seven", "axis_3", "two"], ["a"], "a"),
+        helper.make_node("Relu", ["shared"], ["b"], "b"),
+        helper.make_node("Slice", ["x", "zero", "seven", "axis_2", "two"], ["again"], "again"),  # the same axis
+        helper.make_node("Slice", ["again", "one", "seven", "axis_2", "two"], ["c"], "c"),
+        helper.make_node("Slice", ["x", "zero", "seven", "axis_2", "two"], ["cut"], "cut"),  # non-constant ends
+        helper.make_node("Slice", ["cut", "one", "ends", "axis_3", "two"], ["d"], "d"),
+    ]
+    float_value = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [float_value("x", shape=[2, 3, 8, 8]), helper.make_tensor_value_info("ends", TensorProto.INT64, [1])],
+        [float_value(name, shape=None) for name in ("grid", "a", "b", "c", "d")],
+        [
+            constant(name, values)
+            for name, values in [
+                ("zero", [0]),
+                ("one", [1]),
+                ("seven", [7]),
+                ("two", [2]),
+                ("axis_2", [2]),
+                ("axis_3", [3]),
+            ]
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    feeds = {"x": np.random.rand(2, 3, 8, 8).astype(np.float32), "ends": np.array([7], np.int64)}
+    expected = _run_all(model, feeds)
+    assert merge_slices(model) == 1
+    assert [n.name for n in model.graph.node] == ["grid", "shared", "a", "b", "again", "c", "cut", "d"]
+    grid = model.graph.node[0]
+    assert grid.input[0] == "x"
+    for actual, wanted in zip(_run_all(model, feeds), expected, strict=True):
+        np.testing.assert_array_equal(actual, wanted)
+
+
+def test_a_strided_pointwise_convolutions_weight_gradient_subsamples_its_input_in_one_slice(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 1, 2, bias=False))
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    ORTModule(model, debug, conv_weight_grad="onnx")(x).square().sum().backward()
+    graphs = [onnx.load(str(tmp_path / f"m_training_{graph}.onnx")).graph for graph in ("forward", "backward")]
+    assert [n.op_type for graph in graphs for n in graph.node].count("Slice") == 1
 
 
 def _run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

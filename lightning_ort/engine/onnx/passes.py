@@ -5,6 +5,8 @@
 * :func:`compute_bfloat16_in_float` (CPU graphs): ``bfloat16`` ops (autocast) computed in float32, for which
   ONNX Runtime's CPU provider has kernels; casts to ``bfloat16`` still round.
 * :func:`collapse_reshapes`: reshapes that change nothing are dropped and chains of reshapes shortcut.
+* :func:`merge_slices`: a ``Slice`` of a ``Slice`` on other axes becomes one ``Slice`` (a strided convolution's
+  input subsampled along both image axes), one pass over the data instead of two.
 * :func:`split_gemm_bias` (CPU graphs): a ``Gemm`` with a bias becomes a product and an ``Add`` (ONNX Runtime's
   CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
@@ -373,6 +375,71 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
         _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
         _set_nodes(graph, nodes)
     return removed
+
+
+def merge_slices(model: onnx.ModelProto) -> int:
+    """Merge a ``Slice`` of a ``Slice`` on other axes into one ``Slice``, in place.
+
+    The export translates each ``aten.slice`` on its own, so subsampling an image along two axes (a strided 1x1
+    convolution's weight gradient reads its input at every other row and column) is two ``Slice`` nodes, each a
+    pass over the data; one ``Slice`` over both axes reads the input once. Only slices whose starts, ends, axes
+    and steps are constant (initializers), on non-negative axes, merge, and only where the inner slice's result
+    is read by the outer one alone. Returns the number of nodes removed.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 8, 8])
+        >>> constants = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in
+        ...     [("zero", 0), ("end", 7), ("two", 2), ("three", 3)]]
+        >>> nodes = [
+        ...     helper.make_node("Slice", ["x", "zero", "end", "two", "two"], ["rows"]),
+        ...     helper.make_node("Slice", ["rows", "zero", "end", "three", "two"], ["y"]),
+        ... ]
+        >>> y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+        >>> model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], constants))
+        >>> merge_slices(model), [(n.op_type, n.input[0]) for n in model.graph.node]
+        (1, [('Slice', 'x')])
+    """
+    graph = model.graph
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    readers = Counter(name for node in graph.node for name in node.input)
+    returned = {output.name for output in graph.output}
+    producers: dict[str, onnx.NodeProto] = {}
+    merged: set[int] = set()
+    for node in graph.node:
+        inner = producers.get(node.input[0]) if node.input else None
+        ours, theirs = _slice_parameters(node, constants), _slice_parameters(inner, constants)
+        if inner is not None and ours is not None and theirs is not None and readers[node.input[0]] == 1:
+            disjoint = not set(ours[2].tolist()) & set(theirs[2].tolist())
+            if disjoint and node.input[0] not in returned and (ours[2] >= 0).all() and (theirs[2] >= 0).all():
+                names = []
+                for role, first, second in zip(("starts", "ends", "axes", "steps"), theirs, ours, strict=True):
+                    name = f"{node.name or node.output[0]}_merged_{role}"
+                    constants[name] = np.concatenate([first, second])
+                    graph.initializer.append(numpy_helper.from_array(constants[name], name))
+                    names.append(name)
+                node.input[:] = [inner.input[0], *names]
+                merged.add(id(inner))
+        producers.update(dict.fromkeys(node.output, node))
+    if merged:
+        kept = [node for node in graph.node if id(node) not in merged]
+        defined = {name for node in kept for name in node.output}
+        _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
+        _set_nodes(graph, kept)
+    return len(merged)
+
+
+def _slice_parameters(
+    node: onnx.NodeProto | None, constants: dict[str, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """A standard ``Slice``'s constant starts, ends, axes and steps (ones where absent), or ``None``."""
+    if node is None or node.op_type != "Slice" or not _in_default_domain(node) or len(node.input) < 4:
+        return None
+    values = [constants.get(name) for name in node.input[1:5]]
+    if any(v is None or v.dtype != np.int64 or v.ndim != 1 for v in values):
+        return None
+    arrays = [v for v in values if v is not None]
+    steps = arrays[3] if len(arrays) == 4 else np.ones_like(arrays[0])
+    return arrays[0], arrays[1], arrays[2], steps
 
 
 def _independent_of_input_shape(reshape: onnx.NodeProto, constant_shapes: dict[str, np.ndarray]) -> bool:
@@ -1082,6 +1149,7 @@ PASSES = (
     OnnxPass("integer pads as concatenations", pad_by_concat, _CUDA),
     OnnxPass("bfloat16 ops without a CUDA kernel computed in float32", compute_cuda_bfloat16_gaps_in_float, _CUDA),
     OnnxPass("reshapes removed", collapse_reshapes),
+    OnnxPass("slices of slices merged", merge_slices),
     OnnxPass("unused initializers dropped", drop_unused_initializers),
 )
 """The rewrites of every exported graph, in order: reshapes are collapsed after the passes that add some, and
