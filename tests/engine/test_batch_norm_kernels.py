@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_ort import DebugOptions, ORTModule
+from lightning_ort.bench.vision import BasicBlock
 from lightning_ort.engine.capture import aot
 from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
@@ -85,15 +87,63 @@ def _clamps(nodes: list[onnx.NodeProto], op_type: str) -> list[tuple[float, floa
 def test_each_training_batch_norm_is_one_kernel_each_way_with_its_activation(library: Path, tmp_path: Path) -> None:
     graphs = _exported_ops(tmp_path, ConvNet(), torch.randn(4, 3, 8, 8))
     forward, backward = (Counter(n.op_type for n in graphs[g]) for g in ("forward", "backward"))
-    assert forward["BatchNormTraining"] == 6 and backward["BatchNormTrainingGrad"] == 6
+    assert forward["BatchNormTraining"] == 5 and backward["BatchNormTrainingGrad"] == 5
+    assert forward["BatchNormAddTraining"] == 1 and backward["BatchNormAddTrainingGrad"] == 1
     assert forward["BatchNormalization"] == backward["BatchNormalization"] == forward["Clip"] == 0
-    # The stem's, the affine-free BN's ReLUs, ReLU6 and the hardtanh are fused; the residual BN feeds an add, the
-    # shared one two ops.
+    assert forward["Relu"] == 1  # the shared BN's
+    # The stem's, the affine-free BN's ReLUs, ReLU6 and the hardtanh are fused; the residual BN with its add and
+    # ReLU; the shared one feeds two ops.
     relu, six, tanh = (0.0, math.inf), (0.0, 6.0), (-1.0, 2.0)
-    expected = [None, None, relu, relu, six, tanh]
+    expected = [None, relu, relu, six, tanh]
     for graph, op_type in (("forward", "BatchNormTraining"), ("backward", "BatchNormTrainingGrad")):
         assert sorted(_clamps(graphs[graph], op_type), key=str) == sorted(expected, key=str)
-    assert all(n.domain == DOMAIN for n in graphs["forward"] if n.op_type == "BatchNormTraining")
+    assert _clamps(graphs["forward"], "BatchNormAddTraining") == [relu]
+    assert _clamps(graphs["backward"], "BatchNormAddTrainingGrad") == [relu]
+    assert all(n.domain == DOMAIN for n in graphs["forward"] if n.op_type.startswith("BatchNorm"))
+
+
+class InPlaceBlock(nn.Module):
+    """torchvision's ResNet block: ``out += identity`` in place, then an ``nn.ReLU(inplace=True)``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.conv(x))
+        out += x
+        return self.relu(out)
+
+
+def _residual_net() -> nn.Module:
+    """A stem, a block with a projection (the add joins two batch norms), a plain one and an in-place one."""
+    stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+    blocks = [BasicBlock(8, 16, 2), BasicBlock(16, 16, 1), InPlaceBlock(16)]
+    return nn.Sequential(stem, *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+
+
+def test_a_residual_blocks_add_and_relu_run_in_its_batch_norms_kernel(library: Path, tmp_path: Path) -> None:
+    graphs = _exported_ops(tmp_path, _residual_net(), torch.randn(4, 3, 8, 8))
+    forward, backward = (Counter(n.op_type for n in graphs[g]) for g in ("forward", "backward"))
+    # Each block's last batch norm takes the add and the ReLU; the projection's batch norm is a plain one (its
+    # output is the residual); the stem's and the blocks' first ones take their ReLU.
+    assert forward["BatchNormAddTraining"] == backward["BatchNormAddTrainingGrad"] == 3
+    assert forward["BatchNormTraining"] == backward["BatchNormTrainingGrad"] == 4
+    assert forward["Relu"] == 0
+    normalized = {n.output[0] for n in graphs["forward"] if n.op_type.startswith("BatchNorm")}
+    assert not [n for n in graphs["forward"] if n.op_type == "Add" and normalized & set(n.input)]
+    assert _clamps(graphs["forward"], "BatchNormAddTraining") == [(0.0, math.inf)] * 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_residual_nets_train_through_the_kernels_as_accurately_as_eager(library: Path, seed: int) -> None:
+    torch.manual_seed(seed)
+    eager = _residual_net()
+    wrapped = ORTModule(copy.deepcopy(eager), fallback="raise")
+    x = torch.randn(6, 3, 12, 12) * 2 + 1
+    assert_fp64_accuracy(eager, wrapped, x, perturbations=2)
 
 
 @pytest.mark.parametrize(("seed", "size"), [(0, 8), (1, 8), (2, 8), (0, 24), (1, 24)])
@@ -184,6 +234,55 @@ def test_the_gradient_is_zero_where_the_activation_was_flat_even_for_infinite_gr
     assert np.isfinite(poisoned[0]).all()
 
 
+def test_after_a_residual_add_the_gradient_is_masked_by_the_output_and_passed_to_the_residual(library: Path) -> None:
+    rng = np.random.default_rng(0)
+    x, z = rng.standard_normal((2, 4, 3, 5, 7)).astype(np.float32)
+    mean, invstd = x.mean((0, 2, 3)), 1 / np.sqrt(x.var((0, 2, 3)) + 1e-5)
+    w, b = rng.random(3).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    inputs = {"x": x, "w": w, "b": b, "rm": np.zeros(3, np.float32), "rv": np.ones(3, np.float32), "z": z}
+    forward = helper.make_node(
+        "BatchNormAddTraining",
+        list(inputs),
+        ["y", "mean", "invstd", "new_rm", "new_rv"],
+        domain=DOMAIN,
+        epsilon=1e-5,
+        momentum=0.1,
+        clamp=1,
+        min=0.0,
+        max=math.inf,
+    )
+    y, *_ = _session(library, forward, {n: v.shape for n, v in inputs.items()}).run(None, inputs)
+    normalized = F.batch_norm(torch.from_numpy(x), None, None, torch.from_numpy(w), torch.from_numpy(b), True)
+    expected = torch.relu(normalized + torch.from_numpy(z))
+    torch.testing.assert_close(torch.from_numpy(y), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y, np.maximum(y, 0))
+    off = y <= 0
+    assert 0 < off.mean() < 1
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    backward = helper.make_node(
+        "BatchNormAddTrainingGrad",
+        ["g", "x", "w", "b", "m", "s", "y"],
+        ["dx", "dw", "db", "dz"],
+        domain=DOMAIN,
+        clamp=1,
+        min=0.0,
+        max=math.inf,
+    )
+    feeds = {"x": x, "w": w, "b": b, "m": mean.astype(np.float32), "s": invstd.astype(np.float32), "y": y}
+    session = _session(library, backward, {"g": x.shape, **{n: v.shape for n, v in feeds.items()}})
+    clean = session.run(None, {"g": np.where(off, 0, g).astype(np.float32), **feeds})
+    poisoned = session.run(None, {"g": np.where(off, np.float32(np.inf), g), **feeds})
+    for a, e in zip(poisoned, clean, strict=True):
+        np.testing.assert_array_equal(a, e)
+    np.testing.assert_array_equal(clean[3], np.where(off, 0, g))
+    # dX, dscale and dbias are the plain gradient's of the masked dY.
+    plain_shapes = {"g": x.shape, "x": x.shape, "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
+    plain = _session(library, _grad_node(None), plain_shapes)
+    unclamped = plain.run(None, {"g": clean[3], **{n: v for n, v in feeds.items() if n != "y"}})
+    for a, e in zip(clean[:3], unclamped, strict=True):
+        np.testing.assert_array_equal(a, e)
+
+
 def test_a_kernel_given_mismatched_shapes_fails_with_a_message_naming_the_input(library: Path) -> None:
     shapes = {"g": (2, 3, 4), "x": (2, 3, 4), "w": (4,), "b": (3,), "m": (3,), "s": (3,)}
     session = _session(library, _grad_node(None), shapes)
@@ -218,6 +317,48 @@ def test_batch_norms_the_kernels_do_not_compute_are_left_alone(changes: dict[str
     gm = _graph_with_batch_norm(**changes)
     assert fusable_batch_norms(gm) == 0 and fuse_batch_norms(gm) == 0
     assert any(n.target is F.batch_norm for n in gm.graph.nodes)
+
+
+def _graph_with_residual_add(add: str, residual_shape: tuple[int, ...] = (2, 3, 4, 4), readers: int = 1) -> Any:
+    graph = torch.fx.Graph()
+    x, z = graph.placeholder("x"), graph.placeholder("z")
+    x.meta["example_value"] = torch.empty(2, 3, 4, 4)
+    z.meta["example_value"] = torch.empty(residual_shape)
+    normed = graph.call_function(F.batch_norm, (x, None, None, None, None, True, 0.1, 1e-5))
+    normed.meta["example_value"] = torch.empty(2, 3, 4, 4)
+    calls = {
+        "bn + z": (operator.add, (normed, z)),
+        "z + bn": (operator.add, (z, normed)),
+        "torch.add(bn, z)": (torch.add, (normed, z)),
+        "bn += z": (operator.iadd, (normed, z)),
+        "z += bn": (operator.iadd, (z, normed)),
+    }
+    target, args = calls[add]
+    added = graph.call_function(target, args)
+    relus = [graph.call_function(F.relu, (added,)) for _ in range(readers)]
+    graph.output(tuple(relus))
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+@pytest.mark.parametrize("add", ["bn + z", "z + bn", "torch.add(bn, z)", "bn += z"])
+def test_a_residual_add_and_the_relu_after_it_are_fused(add: str) -> None:
+    gm = _graph_with_residual_add(add)
+    assert fuse_batch_norms(gm) == 1
+    (fused,) = (n for n in gm.graph.nodes if n.op == "call_function")
+    assert fused.kwargs["residual"].name == "z" and fused.kwargs["clamp"] == (0.0, math.inf)
+
+
+@pytest.mark.parametrize(
+    ("add", "residual_shape", "readers"),
+    [("z += bn", (2, 3, 4, 4), 1), ("bn + z", (1, 3, 1, 1), 1), ("bn + z", (2, 3, 4, 4), 2)],
+    ids=["updates-the-residual-in-place", "broadcast", "sum-read-twice"],
+)
+def test_other_adds_after_a_batch_norm_stay(add: str, residual_shape: tuple[int, ...], readers: int) -> None:
+    gm = _graph_with_residual_add(add, residual_shape, readers)
+    assert fuse_batch_norms(gm) == 1
+    fused = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "batch_norm_training"]
+    assert fused[0].kwargs["residual"] is None and fused[0].kwargs["clamp"] is None
+    assert sum(n.target is F.relu for n in gm.graph.nodes) == readers
 
 
 def test_a_relu_is_fused_only_where_it_is_the_batch_norms_only_consumer() -> None:

@@ -1,4 +1,5 @@
-"""Training-mode batch norm, and a ReLU or ReLU6 right after it, as two fused ONNX Runtime kernels on CPU.
+"""Training-mode batch norm, and a ReLU or ReLU6 right after it (or after a residual add), as fused ONNX Runtime
+kernels on CPU.
 
 ONNX has no training-mode batch norm, and the public onnxruntime wheel no training kernels, so its standard form
 is a chain of separate nodes: the means, the centred input and its square, ``BatchNormalization`` with the batch
@@ -8,11 +9,13 @@ sums, the scaled difference), each a full pass over the activation. lightning_or
 result.
 
 :func:`fuse_batch_norms` points TorchDynamo's ``F.batch_norm`` calls in training mode, together with an
-``F.relu``, ``F.relu6`` or ``F.hardtanh`` that is their only consumer (a clamp of the output), at
-:func:`batch_norm_training`: an autograd function over two PyTorch ops, :data:`BATCH_NORM_TRAINING` and
-:data:`BATCH_NORM_TRAINING_BACKWARD`, which the export translates to the kernels
+``F.relu``, ``F.relu6`` or ``F.hardtanh`` that is their only consumer (a clamp of the output), or that alone
+consumes their sum with another tensor (a residual block's ``relu(bn(conv(h)) + skip)``), at
+:func:`batch_norm_training`: an autograd function over PyTorch ops (:data:`BATCH_NORM_TRAINING` and
+:data:`BATCH_NORM_TRAINING_BACKWARD`, and their residual forms :data:`BATCH_NORM_ADD_TRAINING` and
+:data:`BATCH_NORM_ADD_TRAINING_BACKWARD`), which the export translates to the kernels
 (:mod:`lightning_ort.engine.onnx.custom_ops`). Their PyTorch implementations compute the same values,
-for a graph that runs in PyTorch. The forward op also returns the updated running statistics, which the graph
+for a graph that runs in PyTorch. The forward ops also return the updated running statistics, which the graph
 copies into the buffers, as ``F.batch_norm`` updates them in place.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from typing import Any
 
 import torch
@@ -56,10 +60,29 @@ def batch_norm_training_op(
         >>> torch.allclose(out, torch.relu(F.batch_norm(x, mean, var, w, b, True, 0.1, 1e-5)), atol=1e-5)
         True
     """
+    return _batch_norm_training(input, weight, bias, running_mean, running_var, None, momentum, eps, clamp, low, high)
+
+
+def _batch_norm_training(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    residual: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward ops' PyTorch form; ``residual`` is added before the clamp."""
     dims, _, count = channel_layout(input)
     var, mean = torch.var_mean(input, dims, correction=0)
     invstd = torch.rsqrt(var + eps)
     output = _normalized(input, weight, bias, mean, invstd)
+    if residual is not None:
+        output = output + residual
     new_running_mean = momentum * mean + (1 - momentum) * running_mean
     new_running_var = momentum * (var * (count / max(count - 1, 1))) + (1 - momentum) * running_var
     return (output.clamp(low, high) if clamp else output), mean, invstd, new_running_mean, new_running_var
@@ -120,12 +143,24 @@ def batch_norm_training_backward_op(
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad)))
         True
     """
+    grad = _kept(grad_output, _normalized(input, weight, bias, mean, invstd), clamp, low, high)
+    return _input_grads(grad, input, weight, mean, invstd)
+
+
+def _kept(grad_output: torch.Tensor, value: torch.Tensor, clamp: bool, low: float, high: float) -> torch.Tensor:
+    """``grad_output`` where the clamp's input (or output: the same there) ``value`` was strictly inside
+    ``[low, high]`` (above ``low`` for an infinite ``high``), else 0."""
+    if not clamp:
+        return grad_output
+    inside = value > low if math.isinf(high) else (value > low) & (value < high)
+    return grad_output.where(inside, 0.0)
+
+
+def _input_grads(
+    grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch norm's ``(grad_input, grad_weight, grad_bias)`` for the gradient ``grad`` of its normalized output."""
     dims, shape, count = channel_layout(input)
-    grad = grad_output
-    if clamp:
-        normalized = _normalized(input, weight, bias, mean, invstd)
-        inside = normalized > low if math.isinf(high) else (normalized > low) & (normalized < high)
-        grad = grad_output.where(inside, 0.0)
     centred = input - mean.reshape(shape)
     grad_sum = grad.sum(dims)
     dot = (grad * centred).sum(dims)
@@ -149,11 +184,112 @@ def _batch_norm_training_backward_fake(
     return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight)
 
 
+@torch.library.custom_op("lightning_ort::batch_norm_add_training", mutates_args=())
+def batch_norm_add_training_op(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    residual: torch.Tensor,
+    momentum: float,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`batch_norm_training_op` with ``residual`` (``input``'s shape) added before the clamp: a residual
+    block's ``relu(bn(x) + skip)``. ONNX Runtime runs it as ``ai.lightning_ort::BatchNormAddTraining``.
+
+    Example:
+        >>> x, z, w, b = torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5), torch.rand(3), torch.randn(3)
+        >>> out, *_ = batch_norm_add_training_op(x, w, b, b, w, z, 0.1, 1e-5, True, 0.0, math.inf)
+        >>> torch.allclose(out, torch.relu(F.batch_norm(x, None, None, w, b, True) + z), atol=1e-5)
+        True
+    """
+    return _batch_norm_training(
+        input, weight, bias, running_mean, running_var, residual, momentum, eps, clamp, low, high
+    )
+
+
+@batch_norm_add_training_op.register_fake
+def _batch_norm_add_training_fake(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    residual: torch.Tensor,
+    momentum: float,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _batch_norm_training_fake(input, weight, bias, running_mean, running_var, momentum, eps, clamp, low, high)
+
+
+@torch.library.custom_op("lightning_ort::batch_norm_add_training_backward", mutates_args=())
+def batch_norm_add_training_backward_op(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    output: torch.Tensor,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`batch_norm_add_training_op`'s ``output``: ``(grad_input, grad_weight, grad_bias,
+    grad_residual)``.
+
+    The clamp's mask is read from the forward's ``output``, which lies strictly inside ``[low, high]`` exactly
+    where the clamped sum did (and which a residual block keeps anyway, as the next layer's input);
+    ``grad_residual`` is the masked ``grad_output``. ONNX Runtime runs it as
+    ``ai.lightning_ort::BatchNormAddTrainingGrad``.
+
+    Example:
+        >>> x, z, g, w, b = torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 5), *torch.rand(2, 3)
+        >>> out, mean, invstd, *_ = batch_norm_add_training_op(x, w, b, b, w, z, 0.1, 1e-5, True, 0.0, math.inf)
+        >>> grads = batch_norm_add_training_backward_op(g, x, w, b, mean, invstd, out, True, 0.0, math.inf)
+        >>> x_, z_, w_, b_ = (t.clone().requires_grad_() for t in (x, z, w, b))
+        >>> torch.relu(F.batch_norm(x_, None, None, w_, b_, True) + z_).backward(g)
+        >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad, z_.grad)))
+        True
+    """
+    grad = _kept(grad_output, output, clamp, low, high)
+    return *_input_grads(grad, input, weight, mean, invstd), grad
+
+
+@batch_norm_add_training_backward_op.register_fake
+def _batch_norm_add_training_backward_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    output: torch.Tensor,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(input), torch.empty_like(weight), torch.empty_like(weight), torch.empty_like(input)
+
+
 BATCH_NORM_TRAINING = torch.ops.lightning_ort.batch_norm_training.default
 """The forward op :func:`batch_norm_training` records in captured graphs."""
 
 BATCH_NORM_TRAINING_BACKWARD = torch.ops.lightning_ort.batch_norm_training_backward.default
 """The backward op :func:`batch_norm_training` records in captured graphs."""
+
+BATCH_NORM_ADD_TRAINING = torch.ops.lightning_ort.batch_norm_add_training.default
+"""The forward op :func:`batch_norm_training` records for a batch norm with a residual add."""
+
+BATCH_NORM_ADD_TRAINING_BACKWARD = torch.ops.lightning_ort.batch_norm_add_training_backward.default
+"""The backward op :func:`batch_norm_training` records for a batch norm with a residual add."""
 
 
 Clamp = tuple[float, float] | None
@@ -167,8 +303,8 @@ def _clamp_arguments(clamp: Clamp) -> tuple[bool, float, float]:
 
 
 class _BatchNormTraining(torch.autograd.Function):
-    """:data:`BATCH_NORM_TRAINING` forward, :data:`BATCH_NORM_TRAINING_BACKWARD` backward; the statistics are
-    not differentiable."""
+    """:data:`BATCH_NORM_TRAINING` forward, :data:`BATCH_NORM_TRAINING_BACKWARD` backward, or their residual forms
+    where ``residual`` is given; the statistics are not differentiable."""
 
     @staticmethod
     def forward(
@@ -178,25 +314,34 @@ class _BatchNormTraining(torch.autograd.Function):
         bias: torch.Tensor,
         running_mean: torch.Tensor,
         running_var: torch.Tensor,
+        residual: torch.Tensor | None,
         momentum: float,
         eps: float,
         clamp: Clamp,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        output, mean, invstd, new_running_mean, new_running_var = BATCH_NORM_TRAINING(
-            input, weight, bias, running_mean, running_var, momentum, eps, *_clamp_arguments(clamp)
-        )
+        statistics = (running_mean, running_var)
+        if residual is None:
+            outputs = BATCH_NORM_TRAINING(input, weight, bias, *statistics, momentum, eps, *_clamp_arguments(clamp))
+        else:
+            outputs = BATCH_NORM_ADD_TRAINING(
+                input, weight, bias, *statistics, residual, momentum, eps, *_clamp_arguments(clamp)
+            )
+        output, mean, invstd, new_running_mean, new_running_var = outputs
         ctx.clamp = clamp
-        ctx.save_for_backward(input, weight, bias, mean, invstd)
+        ctx.residual = residual is not None
+        ctx.save_for_backward(input, weight, bias, mean, invstd, *([output] if ctx.residual else []))
         ctx.mark_non_differentiable(new_running_mean, new_running_var)
         return output, new_running_mean, new_running_var
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        input, weight, bias, mean, invstd = ctx.saved_tensors
-        grads = BATCH_NORM_TRAINING_BACKWARD(
-            grad_output, input, weight, bias, mean, invstd, *_clamp_arguments(ctx.clamp)
+        if not ctx.residual:
+            grads = BATCH_NORM_TRAINING_BACKWARD(grad_output, *ctx.saved_tensors, *_clamp_arguments(ctx.clamp))
+            return *grads, None, None, None, None, None, None
+        *grads, grad_residual = BATCH_NORM_ADD_TRAINING_BACKWARD(
+            grad_output, *ctx.saved_tensors, *_clamp_arguments(ctx.clamp)
         )
-        return *grads, None, None, None, None, None
+        return *grads, None, None, grad_residual, None, None, None
 
 
 def batch_norm_training(
@@ -208,10 +353,11 @@ def batch_norm_training(
     momentum: float,
     eps: float,
     clamp: Clamp,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)``, then clamped to
-    ``clamp``'s bounds (ReLU, ReLU6) if given, as the fused ops; the running statistics are updated in place as
-    PyTorch updates them (the unbiased variance).
+    """``F.batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)``, plus ``residual`` if
+    given, then clamped to ``clamp``'s bounds (ReLU, ReLU6) if given, as the fused ops; the running statistics
+    are updated in place as PyTorch updates them (the unbiased variance).
 
     Example:
         >>> x, mean, var = torch.randn(4, 3, 5, 5), torch.zeros(3), torch.ones(3)
@@ -227,7 +373,9 @@ def batch_norm_training(
     shift = bias if bias is not None else torch.zeros_like(ones())
     mean_in = running_mean if running_mean is not None else torch.zeros_like(ones())
     var_in = running_var if running_var is not None else ones()
-    output, new_mean, new_var = _BatchNormTraining.apply(input, scale, shift, mean_in, var_in, momentum, eps, clamp)
+    output, new_mean, new_var = _BatchNormTraining.apply(
+        input, scale, shift, mean_in, var_in, residual, momentum, eps, clamp
+    )
     if running_mean is not None:
         running_mean.copy_(new_mean)
     if running_var is not None:
@@ -284,6 +432,34 @@ def _only_clamp(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple[float, float]
     return None
 
 
+_ADDS = (operator.add, operator.iadd, torch.add)
+_IN_PLACE_ADDS = (operator.iadd,)
+
+
+def _residual_add(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """The addition that is ``node``'s only consumer, if one is, and its other operand: a float32 CPU tensor of
+    ``node``'s shape (no broadcast), which an in-place addition does not update."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    function = user.op == "call_function" and user.target in _ADDS
+    method = user.op == "call_method" and user.target in ("add", "add_")
+    if not (function or method) or user.kwargs or len(user.args) != 2 or node not in user.args:
+        return None
+    in_place = user.target in _IN_PLACE_ADDS or user.target == "add_"
+    other = user.args[1] if user.args[0] is node else user.args[0]
+    if in_place and user.args[0] is not node:
+        return None
+    if not isinstance(other, torch.fx.Node) or other is node:
+        return None
+    ours, theirs = node.meta.get("example_value"), other.meta.get("example_value")
+    if not isinstance(ours, torch.Tensor) or not isinstance(theirs, torch.Tensor):
+        return None
+    if theirs.shape != ours.shape or theirs.dtype != torch.float32 or theirs.device.type != "cpu":
+        return None
+    return user, other
+
+
 def fusable_batch_norms(gm: torch.fx.GraphModule) -> int:
     """How many ``F.batch_norm`` calls of TorchDynamo's graph ``gm`` :func:`fuse_batch_norms` would replace."""
     return sum(_fusable_arguments(node) is not None for node in gm.graph.nodes)
@@ -291,8 +467,8 @@ def fusable_batch_norms(gm: torch.fx.GraphModule) -> int:
 
 def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
     """Point ``gm``'s training-mode ``F.batch_norm`` calls (float32, on CPU, with a float momentum) at
-    :func:`batch_norm_training`, with the ``F.relu``, ``F.relu6`` or ``F.hardtanh`` that alone consumes one;
-    returns the calls replaced.
+    :func:`batch_norm_training`, with the ``F.relu``, ``F.relu6`` or ``F.hardtanh`` that alone consumes one, or
+    that alone consumes its sum with a tensor of its shape (a residual add); returns the calls replaced.
 
     Example:
         >>> graph = torch.fx.Graph()
@@ -309,7 +485,10 @@ def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
         arguments = _fusable_arguments(node)
         if arguments is None:
             continue
-        activation = _only_clamp(node)
+        activation, residual = _only_clamp(node), None
+        added = _residual_add(node) if activation is None else None
+        if added is not None and (after_add := _only_clamp(added[0])) is not None:
+            activation, residual = after_add, added
         last = activation[0] if activation is not None else node
         with gm.graph.inserting_after(last):
             fused = gm.graph.call_function(
@@ -319,12 +498,15 @@ def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
                     "momentum": arguments["momentum"],
                     "eps": arguments["eps"],
                     "clamp": activation[1] if activation is not None else None,
+                    "residual": residual[1] if residual is not None else None,
                 },
             )
         fused.meta = dict(last.meta)
         last.replace_all_uses_with(fused)
         if activation is not None:
             gm.graph.erase_node(activation[0])
+        if residual is not None:
+            gm.graph.erase_node(residual[0])
         gm.graph.erase_node(node)
         replaced += 1
     if replaced:

@@ -14,7 +14,12 @@ from typing import Any
 import onnxscript
 from onnx.defs import OpSchema
 
-from lightning_ort.engine.fx.batch_norm import BATCH_NORM_TRAINING, BATCH_NORM_TRAINING_BACKWARD
+from lightning_ort.engine.fx.batch_norm import (
+    BATCH_NORM_ADD_TRAINING,
+    BATCH_NORM_ADD_TRAINING_BACKWARD,
+    BATCH_NORM_TRAINING,
+    BATCH_NORM_TRAINING_BACKWARD,
+)
 
 DOMAIN = "ai.lightning_ort"
 """The ONNX domain of lightning_ort's ONNX Runtime kernels."""
@@ -47,6 +52,18 @@ _BATCH_NORM_TRAINING_GRAD = _op(
     "BatchNormTrainingGrad",
     ["dY", "X", "scale", "B", "mean", "invstd"],
     ["dX", "dscale", "dB"],
+    {"clamp": INT, "min": FLOAT, "max": FLOAT},
+)
+_BATCH_NORM_ADD_TRAINING = _op(
+    "BatchNormAddTraining",
+    ["X", "scale", "B", "running_mean", "running_var", "Z"],
+    ["Y", "mean", "invstd", "new_running_mean", "new_running_var"],
+    {"epsilon": FLOAT, "momentum": FLOAT, "clamp": INT, "min": FLOAT, "max": FLOAT},
+)
+_BATCH_NORM_ADD_TRAINING_GRAD = _op(
+    "BatchNormAddTrainingGrad",
+    ["dY", "X", "scale", "B", "mean", "invstd", "Y"],
+    ["dX", "dscale", "dB", "dZ"],
     {"clamp": INT, "min": FLOAT, "max": FLOAT},
 )
 
@@ -96,8 +113,58 @@ def batch_norm_training_backward(
     )
 
 
+def batch_norm_add_training(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    residual: Any,
+    momentum: float,
+    eps: float,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> Any:
+    """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_ADD_TRAINING` as one ``BatchNormAddTraining`` node."""
+    return _BATCH_NORM_ADD_TRAINING(
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        residual,
+        epsilon=eps,
+        momentum=momentum,
+        clamp=int(clamp),
+        min=low,
+        max=high,
+    )
+
+
+def batch_norm_add_training_backward(
+    grad_output: Any,
+    input: Any,
+    weight: Any,
+    bias: Any,
+    mean: Any,
+    invstd: Any,
+    output: Any,
+    clamp: bool,
+    low: float,
+    high: float,
+) -> Any:
+    """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_ADD_TRAINING_BACKWARD` as one
+    ``BatchNormAddTrainingGrad`` node."""
+    return _BATCH_NORM_ADD_TRAINING_GRAD(
+        grad_output, input, weight, bias, mean, invstd, output, clamp=int(clamp), min=low, max=high
+    )
+
+
 CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     BATCH_NORM_TRAINING: batch_norm_training,
     BATCH_NORM_TRAINING_BACKWARD: batch_norm_training_backward,
+    BATCH_NORM_ADD_TRAINING: batch_norm_add_training,
+    BATCH_NORM_ADD_TRAINING_BACKWARD: batch_norm_add_training_backward,
 }
 """The exporter's translations of lightning_ort's own ops (``custom_translation_table``)."""

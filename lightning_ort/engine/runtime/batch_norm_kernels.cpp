@@ -1,4 +1,4 @@
-// ONNX Runtime CPU kernels for training-mode batch normalization, optionally followed by ReLU.
+// ONNX Runtime CPU kernels for training-mode batch normalization, optionally followed by a residual add and a ReLU.
 //
 // The public onnxruntime wheel has no training kernels, so a batch norm in training mode is otherwise exported
 // as separate ONNX nodes (means, centring, squares, BatchNormalization, Relu; and about nine for the gradient),
@@ -15,6 +15,13 @@
 //       attributes: clamp, min, max. With clamp, dY is kept only where the normalized value v was inside the
 //       bounds, min < v < max (v > min alone for an infinite max), as PyTorch's ReLU and hardtanh gradients keep
 //       it. v is recomputed from X: the forward's output need not be kept for it.
+//   ai.lightning_ort::BatchNormAddTraining(X, scale, bias, running_mean, running_var, Z)
+//           -> (Y, mean, invstd, new_running_mean, new_running_var)
+//       As BatchNormTraining, with Z (X's shape) added before the clamp: Y = clamp(x * a + b + z), a residual
+//       block's relu(bn(conv(h)) + skip).
+//   ai.lightning_ort::BatchNormAddTrainingGrad(dY, X, scale, bias, mean, invstd, Y) -> (dX, dscale, dbias, dZ)
+//       As BatchNormTrainingGrad, with the clamp's mask read from the forward's output Y (min < y < max holds
+//       where min < v < max did, v = x * a + b + z), and dZ the masked dY.
 //
 // X is [N, C, spatial...] float32, contiguous; the statistics are per channel over N and the spatial dims,
 // accumulated in double. Work is split by channel over the session's intra-op thread pool.
@@ -247,13 +254,12 @@ inline float clamped(float v, Bounds bounds) {
   return kClamp == kBoth && v > bounds.hi ? bounds.hi : v;
 }
 
-// g where the normalized value v = x * a + b was strictly inside the bounds, else 0 (also for an infinite or NaN
-// g, as PyTorch's ReLU and hardtanh gradients), as a bitwise and: a conditional select of loaded values does not
+// g where the clamp's input v was strictly inside the bounds, else 0 (also for an infinite or NaN g, as
+// PyTorch's ReLU and hardtanh gradients), as a bitwise and: a conditional select of loaded values does not
 // vectorize.
 template <int kClamp>
-inline float kept(float g, float x, float a, float b, Bounds bounds) {
+inline float kept(float g, float v, Bounds bounds) {
   if (kClamp == kNone) return g;
-  const float v = x * a + b;
   const bool inside = kClamp == kLower ? v > bounds.lo : ((v > bounds.lo) & (v < bounds.hi));  // no branch
   uint32_t bits;
   std::memcpy(&bits, &g, sizeof bits);
@@ -261,6 +267,25 @@ inline float kept(float g, float x, float a, float b, Bounds bounds) {
   float out;
   std::memcpy(&out, &bits, sizeof out);
   return out;
+}
+
+// g[i] kept by the clamp: its input recomputed from x (v = x * a + b), or, after a residual add, read from the
+// clamp's output y, which lies strictly inside the bounds exactly where its input did.
+template <int kClamp, bool kResidual>
+inline float masked(const float* g, const float* x, const float* y, int64_t i, float a, float b, Bounds bounds) {
+  if constexpr (kResidual)
+    return kept<kClamp>(g[i], y[i], bounds);
+  else
+    return kept<kClamp>(g[i], x[i] * a + b, bounds);
+}
+
+// x * a + b, plus z[i] after a residual add.
+template <bool kResidual>
+inline float normalized(float x, float a, float b, const float* z, int64_t i) {
+  if constexpr (kResidual)
+    return x * a + b + z[i];
+  else
+    return x * a + b;
 }
 
 // The clamp mode of the clamp, min and max attributes.
@@ -342,15 +367,22 @@ struct Block {
   }
 };
 
-// Calls body with the clamp mode as a compile-time constant (std::integral_constant), for the templated loops.
+// Calls body with the clamp mode and whether a residual is added as compile-time constants
+// (std::integral_constant), for the templated loops.
 template <typename Body>
-void with_clamp(int mode, Body body) {
-  if (mode == kLower)
-    body(std::integral_constant<int, kLower>{});
-  else if (mode == kBoth)
-    body(std::integral_constant<int, kBoth>{});
+void with_modes(int mode, bool residual, Body body) {
+  const auto with_clamp = [&](auto added) {
+    if (mode == kLower)
+      body(std::integral_constant<int, kLower>{}, added);
+    else if (mode == kBoth)
+      body(std::integral_constant<int, kBoth>{}, added);
+    else
+      body(std::integral_constant<int, kNone>{}, added);
+  };
+  if (residual)
+    with_clamp(std::true_type{});
   else
-    body(std::integral_constant<int, kNone>{});
+    with_clamp(std::false_type{});
 }
 
 KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
@@ -395,7 +427,7 @@ void block_sums(const float* x, const Layout& l, const Block& block, double* sum
   block.reduce_columns(l.spatial, sum, squares);
 }
 
-// The forward: per-channel mean and biased variance, the running statistics, then y = x * a + b, clamped.
+// The forward: per-channel mean and biased variance, the running statistics, then y = x * a + b (+ z), clamped.
 
 struct ForwardWork {
   const float* x;
@@ -403,6 +435,7 @@ struct ForwardWork {
   const float* bias;
   const float* running_mean;
   const float* running_var;
+  const float* z;  // the residual; nullptr for none
   float* y;
   float* mean;
   float* invstd;
@@ -416,18 +449,19 @@ struct ForwardWork {
   Bounds bounds;
 };
 
-template <int kClamp>
-KERNEL_CLONES void plane_affine(const float* x, float* y, int64_t n, Affine f, Bounds bounds) {
-  for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(x[i] * f.a + f.b, bounds);
+template <int kClamp, bool kResidual>
+KERNEL_CLONES void plane_affine(const float* x, const float* z, float* y, int64_t n, Affine f, Bounds bounds) {
+  for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(normalized<kResidual>(x[i], f.a, f.b, z, i), bounds);
 }
 
-template <int kClamp>
-KERNEL_CLONES void row_affine(const float* x, float* y, int64_t n, const float* a, const float* b, Bounds bounds) {
-  for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(x[i] * a[i] + b[i], bounds);
+template <int kClamp, bool kResidual>
+KERNEL_CLONES void row_affine(const float* x, const float* z, float* y, int64_t n, const float* a, const float* b,
+                              Bounds bounds) {
+  for (int64_t i = 0; i < n; ++i) y[i] = clamped<kClamp>(normalized<kResidual>(x[i], a[i], b[i], z, i), bounds);
 }
 
 // y for a block whose statistics are known.
-template <int kClamp>
+template <int kClamp, bool kResidual>
 void normalize_block(const ForwardWork& w, const Block& block) {
   const Layout& l = w.layout;
   const int64_t stride = l.channels * l.spatial;
@@ -436,7 +470,8 @@ void normalize_block(const ForwardWork& w, const Block& block) {
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
         const int64_t offset = n * stride + c * l.spatial;
-        plane_affine<kClamp>(w.x + offset, w.y + offset, l.spatial, f, w.bounds);
+        plane_affine<kClamp, kResidual>(w.x + offset, kResidual ? w.z + offset : nullptr, w.y + offset, l.spatial, f,
+                                        w.bounds);
       }
     }
     return;
@@ -444,8 +479,8 @@ void normalize_block(const ForwardWork& w, const Block& block) {
   block.fill_affine(l.spatial, w.scale, w.bias, w.mean, w.invstd);
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
-    row_affine<kClamp>(w.x + offset, w.y + offset, block.row, block.coefficient(kA), block.coefficient(kB),
-                       w.bounds);
+    row_affine<kClamp, kResidual>(w.x + offset, kResidual ? w.z + offset : nullptr, w.y + offset, block.row,
+                                  block.coefficient(kA), block.coefficient(kB), w.bounds);
   }
 }
 
@@ -465,7 +500,9 @@ void forward_block(void* data, size_t task) {
     w.new_running_mean[c] = w.momentum * w.mean[c] + (1.0f - w.momentum) * w.running_mean[c];
     w.new_running_var[c] = w.momentum * unbiased + (1.0f - w.momentum) * w.running_var[c];
   }
-  with_clamp(w.clamp, [&](auto mode) { normalize_block<decltype(mode)::value>(w, block); });
+  with_modes(w.clamp, w.z != nullptr, [&](auto mode, auto residual) {
+    normalize_block<decltype(mode)::value, decltype(residual)::value>(w, block);
+  });
 }
 
 struct ForwardKernel {
@@ -473,12 +510,20 @@ struct ForwardKernel {
   float momentum;
   int clamp;
   Bounds bounds;
+  bool residual;  // BatchNormAddTraining
 };
+
+OrtStatus* check_same_shape(const Tensor& t, const Tensor& x, const char* op, const char* name) {
+  bool same = t.rank == x.rank;
+  for (size_t i = 0; same && i < x.rank; ++i) same = t.dims[i] == x.dims[i];
+  if (!same) return api->error(kInvalidArgument, std::string(op) + ": " + name + " must have X's shape");
+  return nullptr;
+}
 
 OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   const ForwardKernel& k = *static_cast<const ForwardKernel*>(kernel);
-  const char* op = "BatchNormTraining";
-  Tensor x, scale, bias, running_mean, running_var;
+  const char* op = k.residual ? "BatchNormAddTraining" : "BatchNormTraining";
+  Tensor x, scale, bias, running_mean, running_var, z;
   RETURN_IF_ERROR(read_input(context, 0, &x));
   RETURN_IF_ERROR(read_input(context, 1, &scale));
   RETURN_IF_ERROR(read_input(context, 2, &bias));
@@ -490,7 +535,12 @@ OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
   RETURN_IF_ERROR(check_channels(running_mean, layout.channels, op, "running_mean"));
   RETURN_IF_ERROR(check_channels(running_var, layout.channels, op, "running_var"));
+  if (k.residual) {
+    RETURN_IF_ERROR(read_input(context, 5, &z));
+    RETURN_IF_ERROR(check_same_shape(z, x, op, "Z"));
+  }
   ForwardWork work{};
+  work.z = z.data;
   work.x = x.data;
   work.scale = scale.data;
   work.bias = bias.data;
@@ -513,7 +563,8 @@ OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
 }
 
 // The gradient: with g = dY (kept where the clamp passed it through), per channel sum(g) and
-// sum(g * (x - mean)), then dx = (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M) * scale * invstd.
+// sum(g * (x - mean)), then dx = (g - sum(g) / M - (x - mean) * invstd^2 * sum(g * (x - mean)) / M) * scale * invstd,
+// and dz = g after a residual add.
 
 struct BackwardWork {
   const float* grad;
@@ -522,25 +573,27 @@ struct BackwardWork {
   const float* bias;
   const float* mean;
   const float* invstd;
+  const float* y;  // the forward's output, after a residual add; else nullptr
   float* grad_x;
   float* grad_scale;
   float* grad_bias;
+  float* grad_z;  // after a residual add; else nullptr
   Layout layout;
   Blocks blocks;
   int clamp;
   Bounds bounds;
 };
 
-template <int kClamp>
-KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, float mean, Affine f, Bounds bounds,
-                                   double* sum, double* dot) {
+template <int kClamp, bool kResidual>
+KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, const float* y, int64_t n, float mean, Affine f,
+                                   Bounds bounds, double* sum, double* dot) {
   double total = 0.0, total_dot = 0.0;
   int64_t start = 0;
   for (; start + kRun <= n; start += kRun) {
     float s[kLanes] = {}, d[kLanes] = {};
     for (int64_t i = start; i < start + kRun; i += kLanes)
       for (int64_t j = 0; j < kLanes; ++j) {
-        const float gi = kept<kClamp>(g[i + j], x[i + j], f.a, f.b, bounds);
+        const float gi = masked<kClamp, kResidual>(g, x, y, i + j, f.a, f.b, bounds);
         s[j] += gi;
         d[j] += gi * (x[i + j] - mean);
       }
@@ -548,7 +601,7 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
     total_dot += lane_total(d);
   }
   for (int64_t i = start; i < n; ++i) {
-    const float gi = kept<kClamp>(g[i], x[i], f.a, f.b, bounds);
+    const float gi = masked<kClamp, kResidual>(g, x, y, i, f.a, f.b, bounds);
     total += gi;
     total_dot += static_cast<double>(gi) * (x[i] - mean);
   }
@@ -556,37 +609,39 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, int64_t n, fl
   *dot += total_dot;
 }
 
-template <int kClamp>
-KERNEL_CLONES void column_grad_sums(const float* g, const float* x, int64_t n, const float* a, const float* b,
-                                    const float* mean, Bounds bounds, double* sum, double* dot) {
+template <int kClamp, bool kResidual>
+KERNEL_CLONES void column_grad_sums(const float* g, const float* x, const float* y, int64_t n, const float* a,
+                                    const float* b, const float* mean, Bounds bounds, double* sum, double* dot) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = kept<kClamp>(g[i], x[i], a[i], b[i], bounds);
+    const float gi = masked<kClamp, kResidual>(g, x, y, i, a[i], b[i], bounds);
     sum[i] += gi;
     dot[i] += static_cast<double>(gi) * (x[i] - mean[i]);
   }
 }
 
-template <int kClamp>
-KERNEL_CLONES void plane_grad(const float* g, const float* x, float* out, int64_t n, float mean, Affine f,
-                              Bounds bounds, float shift, float k, float a) {
+template <int kClamp, bool kResidual>
+KERNEL_CLONES void plane_grad(const float* g, const float* x, const float* y, float* out, float* out_z, int64_t n,
+                              float mean, Affine f, Bounds bounds, float shift, float k, float a) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = kept<kClamp>(g[i], x[i], f.a, f.b, bounds);
+    const float gi = masked<kClamp, kResidual>(g, x, y, i, f.a, f.b, bounds);
     out[i] = (gi - shift - (x[i] - mean) * k) * a;
+    if constexpr (kResidual) out_z[i] = gi;
   }
 }
 
-template <int kClamp>
-KERNEL_CLONES void row_grad(const float* g, const float* x, float* out, int64_t n, const float* const* c,
-                            Bounds bounds) {
+template <int kClamp, bool kResidual>
+KERNEL_CLONES void row_grad(const float* g, const float* x, const float* y, float* out, float* out_z, int64_t n,
+                            const float* const* c, Bounds bounds) {
   const float *a = c[kA], *b = c[kB], *mean = c[kMean], *shift = c[kShift], *k = c[kProjection], *scale = c[kScale];
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = kept<kClamp>(g[i], x[i], a[i], b[i], bounds);
+    const float gi = masked<kClamp, kResidual>(g, x, y, i, a[i], b[i], bounds);
     out[i] = (gi - shift[i] - (x[i] - mean[i]) * k[i]) * scale[i];
+    if constexpr (kResidual) out_z[i] = gi;
   }
 }
 
 // The per-channel sums of g and g * (x - mean) over a block (coefficients kA, kB and kMean filled).
-template <int kClamp>
+template <int kClamp, bool kResidual>
 void block_grad_sums(const BackwardWork& w, const Block& block, double* sum, double* dot) {
   const Layout& l = w.layout;
   const int64_t stride = l.channels * l.spatial;
@@ -595,22 +650,23 @@ void block_grad_sums(const BackwardWork& w, const Block& block, double* sum, dou
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
         const int64_t offset = n * stride + c * l.spatial;
-        plane_grad_sums<kClamp>(w.grad + offset, w.x + offset, l.spatial, w.mean[c], f, w.bounds,
-                                &sum[c - block.first], &dot[c - block.first]);
+        plane_grad_sums<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
+                                           l.spatial, w.mean[c], f, w.bounds, &sum[c - block.first],
+                                           &dot[c - block.first]);
       }
     }
     return;
   }
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
-    column_grad_sums<kClamp>(w.grad + offset, w.x + offset, block.row, block.coefficient(kA),
-                             block.coefficient(kB), block.coefficient(kMean), w.bounds, block.sums,
-                             block.sums + block.row);
+    column_grad_sums<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
+                                        block.row, block.coefficient(kA), block.coefficient(kB),
+                                        block.coefficient(kMean), w.bounds, block.sums, block.sums + block.row);
   }
   block.reduce_columns(l.spatial, sum, dot);
 }
 
-template <int kClamp>
+template <int kClamp, bool kResidual>
 void backward_block_with(const BackwardWork& w, const Block& block) {
   const Layout& l = w.layout;
   const int64_t channels = block.last - block.first;
@@ -619,7 +675,7 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
     block.fill(kMean, l.spatial, [&](int64_t c) { return w.mean[c]; });
   }
   std::vector<double> sum(static_cast<size_t>(channels)), dot(sum.size());
-  block_grad_sums<kClamp>(w, block, sum.data(), dot.data());
+  block_grad_sums<kClamp, kResidual>(w, block, sum.data(), dot.data());
   const double count = static_cast<double>(l.batch * l.spatial);
   for (int64_t c = block.first; c < block.last; ++c) {
     const double invstd = w.invstd[c];
@@ -638,8 +694,9 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
         const int64_t offset = n * stride + c * l.spatial;
-        plane_grad<kClamp>(w.grad + offset, w.x + offset, w.grad_x + offset, l.spatial, w.mean[c], f, w.bounds,
-                           shift(c), projection(c), scale(c));
+        plane_grad<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
+                                      w.grad_x + offset, kResidual ? w.grad_z + offset : nullptr, l.spatial,
+                                      w.mean[c], f, w.bounds, shift(c), projection(c), scale(c));
       }
     }
     return;
@@ -651,25 +708,30 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
   for (int i = 0; i < Block::kCoefficients; ++i) coefficients[i] = block.coefficient(i);
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
-    row_grad<kClamp>(w.grad + offset, w.x + offset, w.grad_x + offset, block.row, coefficients, w.bounds);
+    row_grad<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
+                                w.grad_x + offset, kResidual ? w.grad_z + offset : nullptr, block.row, coefficients,
+                                w.bounds);
   }
 }
 
 void backward_block(void* data, size_t task) {
   const BackwardWork& w = *static_cast<const BackwardWork*>(data);
   const Block block(w.layout, w.blocks, task);
-  with_clamp(w.clamp, [&](auto mode) { backward_block_with<decltype(mode)::value>(w, block); });
+  with_modes(w.clamp, w.y != nullptr, [&](auto mode, auto residual) {
+    backward_block_with<decltype(mode)::value, decltype(residual)::value>(w, block);
+  });
 }
 
 struct BackwardKernel {
   int clamp;
   Bounds bounds;
+  bool residual;  // BatchNormAddTrainingGrad
 };
 
 OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   const BackwardKernel& k = *static_cast<const BackwardKernel*>(kernel);
-  const char* op = "BatchNormTrainingGrad";
-  Tensor grad, x, scale, bias, mean, invstd;
+  const char* op = k.residual ? "BatchNormAddTrainingGrad" : "BatchNormTrainingGrad";
+  Tensor grad, x, scale, bias, mean, invstd, y;
   RETURN_IF_ERROR(read_input(context, 0, &grad));
   RETURN_IF_ERROR(read_input(context, 1, &x));
   RETURN_IF_ERROR(read_input(context, 2, &scale));
@@ -684,12 +746,27 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
   RETURN_IF_ERROR(check_channels(mean, layout.channels, op, "mean"));
   RETURN_IF_ERROR(check_channels(invstd, layout.channels, op, "invstd"));
-  BackwardWork work{grad.data, x.data,  scale.data, bias.data,         mean.data, invstd.data,
-                    nullptr,   nullptr, nullptr,    layout,    blocks_of(layout), k.clamp,   k.bounds};
+  if (k.residual) {
+    RETURN_IF_ERROR(read_input(context, 6, &y));
+    RETURN_IF_ERROR(check_same_shape(y, x, op, "Y"));
+  }
+  BackwardWork work{};
+  work.grad = grad.data;
+  work.x = x.data;
+  work.scale = scale.data;
+  work.bias = bias.data;
+  work.mean = mean.data;
+  work.invstd = invstd.data;
+  work.y = y.data;
+  work.layout = layout;
+  work.blocks = blocks_of(layout);
+  work.clamp = k.clamp;
+  work.bounds = k.bounds;
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.grad_scale));
   RETURN_IF_ERROR(make_output(context, 2, channels, 1, &work.grad_bias));
+  if (k.residual) RETURN_IF_ERROR(make_output(context, 3, x.dims, x.rank, &work.grad_z));
   if (x.numel() == 0) {
     for (int64_t c = 0; c < layout.channels; ++c) work.grad_scale[c] = work.grad_bias[c] = 0.0f;
     return nullptr;
@@ -721,18 +798,22 @@ struct OpDefinition : OrtCustomOp {
   size_t outputs;
 };
 
+template <bool kResidual>
 OrtStatus* create_forward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
   ForwardKernel k{};
   RETURN_IF_ERROR(read_float(info, "epsilon", &k.epsilon));
   RETURN_IF_ERROR(read_float(info, "momentum", &k.momentum));
   RETURN_IF_ERROR(read_clamp(info, &k.clamp, &k.bounds));
+  k.residual = kResidual;
   *kernel = new ForwardKernel(k);
   return nullptr;
 }
 
+template <bool kResidual>
 OrtStatus* create_backward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
   BackwardKernel k{};
   RETURN_IF_ERROR(read_clamp(info, &k.clamp, &k.bounds));
+  k.residual = kResidual;
   *kernel = new BackwardKernel(k);
   return nullptr;
 }
@@ -767,9 +848,12 @@ OpDefinition make_op(const char* name, size_t inputs, size_t outputs,
   return op;
 }
 
-OpDefinition forward_op = make_op("BatchNormTraining", 5, 5, create_forward, forward_compute, destroy_forward);
-OpDefinition backward_op =
-    make_op("BatchNormTrainingGrad", 6, 3, create_backward, backward_compute, destroy_backward);
+OpDefinition ops[] = {
+    make_op("BatchNormTraining", 5, 5, create_forward<false>, forward_compute, destroy_forward),
+    make_op("BatchNormTrainingGrad", 6, 3, create_backward<false>, backward_compute, destroy_backward),
+    make_op("BatchNormAddTraining", 6, 5, create_forward<true>, forward_compute, destroy_forward),
+    make_op("BatchNormAddTrainingGrad", 7, 4, create_backward<true>, backward_compute, destroy_backward),
+};
 
 }  // namespace
 
@@ -791,9 +875,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   OrtCustomOpDomain* domain = nullptr;
   RETURN_IF_ERROR(
       api->at<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)(kDomain, &domain));
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(
-      domain, &forward_op));
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(
-      domain, &backward_op));
+  for (const OpDefinition& op : ops)
+    RETURN_IF_ERROR(
+        api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, &op));
   return api->at<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
