@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort import ORTConfig, ORTModule, ORTSingleDeviceStrategy
+from lightning_ort import DebugOptions, ORTConfig, ORTModule, ORTSingleDeviceStrategy
 from lightning_ort.engine.capture.backend import backend_options
 from lightning_ort.engine.fx.decompositions import capture_decompositions, weight_grad_in_torch
 from tests.helpers import assert_grads_close
@@ -88,6 +89,27 @@ def test_resnet_trains_as_eager_with_each_weight_gradient_path(path: str, blocks
     ran = [event.name for event in profile.events()]
     assert ran.count("aten::convolution_backward") == in_torch, path
     assert "aten::mkldnn_convolution" not in ran and "aten::convolution" not in ran, "the forward ran in ORT"
+
+
+def test_weight_gradients_leave_a_backward_split_around_pytorchs_kernel_without_a_copy(tmp_path: Path) -> None:
+    # The first layer (16x16 images) takes PyTorch's kernel, which splits the backward graph; the last (4x4)
+    # computes its weight gradient in the graph as a product, reshaped to the weight's shape. ONNX Runtime copies
+    # a reshape that is a graph output, so the gradient leaves as the product and is viewed in PyTorch.
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, stride=4, padding=1), nn.Conv2d(16, 8, 3)
+    )
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug, fallback="raise")
+    x = torch.randn(4, 3, 16, 16)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    assert_grads_close(wrapped, eager)
+    backward = onnx.load(str(tmp_path / "m_training_backward_part0.onnx")).graph
+    returned = {value.name for value in backward.output}
+    reshaped = [n.name for n in backward.node if n.op_type == "Reshape" and n.output[0] in returned]
+    assert reshaped == []
+    assert wrapped.statistics.fallback_ops == 0
 
 
 def test_the_weight_gradient_stays_one_op_asking_for_the_weight_alone() -> None:

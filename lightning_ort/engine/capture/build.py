@@ -234,6 +234,8 @@ class GraphBuilder:
             try:
                 for index, partition in enumerate(partitions):
                     sub = getattr(split, partition)
+                    if gm.meta.get(VIEWS_FROM) == 0:
+                        sub.meta[VIEWS_FROM] = 0  # a backward graph's values all go to autograd or other ops
                     examples = [node.meta["val"] for node in sub.graph.nodes if node.op == "placeholder"]
                     sessions.append(self._partition_session(sub, examples, f"{name}_part{index}"))
                     setattr(split, partition, PartitionCall(sub, sessions[-1]))
