@@ -192,6 +192,18 @@ def test_views_of_one_base_are_returned_as_tensors_of_their_own() -> None:
     assert [spec.shape for spec in specs] == [(4,), (2, 2), (2, 2)]
 
 
+def test_a_graph_whose_outputs_all_view_its_inputs_still_computes_one() -> None:
+    # ONNX Runtime cannot load a graph without outputs; the first view is computed in the graph instead.
+    def views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a.view(4), b.view(2, 3)
+
+    gm = make_fx(views)(torch.randn(2, 2), torch.randn(6))
+    layout, specs = normalise_outputs(gm, 0)
+    first, second = layout.sources
+    assert first == 0 and isinstance(second, ReshapedOutput) and second.base == PassedInput(1)
+    assert [spec.shape for spec in specs] == [(4,)]
+
+
 def _forward_graph(wrapped: ORTModule) -> ExportedGraph:
     return next(runner._graph for kind, runner in wrapped._backend.runners() if kind == "forward")
 

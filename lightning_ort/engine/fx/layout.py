@@ -125,6 +125,11 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
             sources.append(ReshapedOutput(tensor_source(base), symbolic_shape(value.meta["val"].shape)))
             continue
         sources.append(tensor_source(value))
+    if not unique and (views := [i for i, source in enumerate(sources) if isinstance(source, ReshapedOutput)]):
+        # Every output is a view of an input: ONNX Runtime cannot load a graph that computes nothing, so the
+        # first view is computed there after all.
+        unique.append(values[views[0]])
+        sources[views[0]] = 0
     output_node.args = (tuple(unique),)
     gm.graph.eliminate_dead_code()
     specs = [OutputSpec(symbolic_shape(n.meta["val"].shape), n.meta["val"].dtype) for n in unique]
