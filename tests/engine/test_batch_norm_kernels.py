@@ -36,7 +36,7 @@ from tests.helpers import assert_fp64_accuracy
 
 @pytest.fixture(scope="module")
 def library() -> Path:
-    path = cpu_kernels.batch_norm_kernels()
+    path = cpu_kernels.kernel_library()
     assert path is not None, "the batch-norm kernels did not build (is a C++ compiler installed?)"
     return path
 
@@ -378,10 +378,10 @@ def test_without_a_compiler_batch_norms_keep_the_standard_onnx_ops(
         raise RuntimeError("c++: command not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    cpu_kernels.batch_norm_kernels.cache_clear()
+    cpu_kernels.kernel_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match=r"could not be built or did not run right \(c\+\+: command not found\)"):
-            assert cpu_kernels.batch_norm_kernels() is None
+            assert cpu_kernels.kernel_library() is None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             graphs = _exported_ops(tmp_path, ConvNet(), torch.randn(4, 3, 8, 8))
@@ -393,7 +393,7 @@ def test_without_a_compiler_batch_norms_keep_the_standard_onnx_ops(
         with pytest.raises(RuntimeError, match="could not be built here; clear the graph cache"):
             cpu_kernels.register_kernels(ort.SessionOptions(), uses_them)
     finally:
-        cpu_kernels.batch_norm_kernels.cache_clear()
+        cpu_kernels.kernel_library.cache_clear()
 
 
 def test_a_library_onnx_runtime_cannot_load_is_reported_and_not_used(
@@ -404,17 +404,17 @@ def test_a_library_onnx_runtime_cannot_load_is_reported_and_not_used(
     broken = tmp_path / "broken.so"
     broken.write_bytes(b"not a shared library")
     monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: str(broken))
-    cpu_kernels.batch_norm_kernels.cache_clear()
+    cpu_kernels.kernel_library.cache_clear()
     try:
         with pytest.warns(UserWarning, match="could not be built or did not run right"):
-            assert cpu_kernels.batch_norm_kernels() is None
+            assert cpu_kernels.kernel_library() is None
     finally:
-        cpu_kernels.batch_norm_kernels.cache_clear()
+        cpu_kernels.kernel_library.cache_clear()
 
 
 def test_the_kernels_are_not_built_for_graphs_without_batch_norm(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(aot, "batch_norm_kernels", lambda: calls.append(1))
+    monkeypatch.setattr(aot, "kernel_library", lambda: calls.append(1))
     model = ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     model(torch.randn(2, 4)).sum().backward()
     assert calls == []

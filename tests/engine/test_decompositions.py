@@ -236,7 +236,7 @@ def test_batch_norm_outside_float32_training_is_atens() -> None:
 def test_batch_norm_trains_through_one_onnx_batch_normalization_per_layer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(aot, "batch_norm_kernels", lambda: None)  # the standard ops, as without a compiler
+    monkeypatch.setattr(aot, "kernel_library", lambda: None)  # the standard ops, as without a compiler
     torch.manual_seed(0)
     eager = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4)
@@ -370,7 +370,8 @@ def test_max_pooling_trains_in_onnx_runtime_with_eager_gradients(tmp_path: Path)
         model(x).square().sum().backward()
     assert wrapped.statistics.fallback_ops == 0 and wrapped.statistics.backward_runs == 1
     backward = [n.op_type for n in onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node]
-    assert backward.count("ScatterElements") == 2, backward
+    # The ceil-mode pooling's gradient scatters at the forward's indices; the other is lightning_ort's kernel.
+    assert backward.count("ScatterElements") == 1 and backward.count("MaxPoolGrad") == 1, backward
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)
 

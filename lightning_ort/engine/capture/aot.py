@@ -37,9 +37,10 @@ from lightning_ort.engine.capture.build import (
 from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
 from lightning_ort.engine.fx.decompositions import capture_decompositions
 from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
+from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
-from lightning_ort.engine.runtime.cpu_kernels import batch_norm_kernels
+from lightning_ort.engine.runtime.cpu_kernels import kernel_library
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,
     aot_autograd,
@@ -135,8 +136,9 @@ class CapturedGraph:
         start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
         attention_path = self._options.attention
         substitute_functions(self._gm, attention_path)
-        if self._device.type == "cpu" and fusable_batch_norms(self._gm) and batch_norm_kernels() is not None:
+        if self._device.type == "cpu" and _uses_cpu_kernels(self._gm) and kernel_library() is not None:
             fuse_batch_norms(self._gm)
+            replace_max_pools(self._gm)
         backend = aot_autograd(
             fw_compiler=self._graph_compiler("forward"),
             bw_compiler=self._graph_compiler("backward"),
@@ -237,6 +239,12 @@ class CapturedGraph:
             return runner
 
         return compile_graph
+
+
+def _uses_cpu_kernels(gm: torch.fx.GraphModule) -> bool:
+    """Whether TorchDynamo's graph ``gm`` has calls that lightning_ort's CPU kernels compute (batch norms in
+    training mode, max pooling), so that the kernels are built only for graphs that use them."""
+    return bool(fusable_batch_norms(gm) or replaceable_max_pools(gm))
 
 
 def _not_our_failure(record: logging.LogRecord) -> bool:

@@ -1,7 +1,9 @@
 """ONNX translations of lightning_ort's own PyTorch ops, as nodes of its ONNX Runtime kernels.
 
-The ops of :mod:`lightning_ort.engine.fx.batch_norm` become nodes of the ``ai.lightning_ort`` domain, which
-ONNX Runtime runs with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`. The exporter's
+The ops of :mod:`lightning_ort.engine.fx.batch_norm` and the max-pooling gradient of
+:mod:`lightning_ort.engine.fx.max_pool` become nodes of the ``ai.lightning_ort`` domain, which ONNX Runtime runs
+with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a standard
+``MaxPool``. The exporter's
 translations are onnxscript functions; each node here is an onnxscript op with its own schema, which is not
 registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
 """
@@ -13,6 +15,7 @@ from typing import Any
 
 import onnxscript
 from onnx.defs import OpSchema
+from onnxscript import opset18
 
 from lightning_ort.engine.fx.batch_norm import (
     BATCH_NORM_ADD_TRAINING,
@@ -20,12 +23,16 @@ from lightning_ort.engine.fx.batch_norm import (
     BATCH_NORM_TRAINING,
     BATCH_NORM_TRAINING_BACKWARD,
 )
+from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
 
 DOMAIN = "ai.lightning_ort"
 """The ONNX domain of lightning_ort's ONNX Runtime kernels."""
 
 _OPSET = onnxscript.values.Opset(DOMAIN, 1)
 FLOAT, INT = OpSchema.AttrType.FLOAT, OpSchema.AttrType.INT
+
+
+_WINDOW = ("kernel", "stride", "pad", "dilation")
 
 
 def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, OpSchema.AttrType]) -> Any:
@@ -161,10 +168,35 @@ def batch_norm_add_training_backward(
     )
 
 
+_MAX_POOL_GRAD = _op(
+    "MaxPoolGrad", ["dY", "X"], ["dX"], {f"{part}_{axis}": INT for part in _WINDOW for axis in ("h", "w")}
+)
+
+
+def max_pool2d(input: Any, kernel_size: list[int], stride: list[int], padding: list[int], dilation: list[int]) -> Any:
+    """:data:`~lightning_ort.engine.fx.max_pool.MAX_POOL2D` as one ``MaxPool`` without its ``Indices`` output."""
+    values, _ = opset18.MaxPool(
+        input, kernel_shape=kernel_size, strides=stride, pads=[*padding, *padding], dilations=dilation
+    )
+    return values
+
+
+def max_pool2d_backward(
+    grad_output: Any, input: Any, kernel_size: list[int], stride: list[int], padding: list[int], dilation: list[int]
+) -> Any:
+    """:data:`~lightning_ort.engine.fx.max_pool.MAX_POOL2D_BACKWARD` as one ``MaxPoolGrad`` node."""
+    attributes = {}
+    for part, (height, width) in zip(_WINDOW, (kernel_size, stride, padding, dilation), strict=True):
+        attributes[f"{part}_h"], attributes[f"{part}_w"] = height, width
+    return _MAX_POOL_GRAD(grad_output, input, **attributes)
+
+
 CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     BATCH_NORM_TRAINING: batch_norm_training,
     BATCH_NORM_TRAINING_BACKWARD: batch_norm_training_backward,
     BATCH_NORM_ADD_TRAINING: batch_norm_add_training,
     BATCH_NORM_ADD_TRAINING_BACKWARD: batch_norm_add_training_backward,
+    MAX_POOL2D: max_pool2d,
+    MAX_POOL2D_BACKWARD: max_pool2d_backward,
 }
 """The exporter's translations of lightning_ort's own ops (``custom_translation_table``)."""

@@ -2,7 +2,7 @@
 //
 // The public onnxruntime wheel has no training kernels, so a batch norm in training mode is otherwise exported
 // as separate ONNX nodes (means, centring, squares, BatchNormalization, Relu; and about nine for the gradient),
-// each one a full pass over the activation. These two kernels take two passes each: the per-channel sums, then
+// each one a full pass over the activation. These kernels take two passes each way: the per-channel sums, then
 // the elementwise result.
 //
 //   ai.lightning_ort::BatchNormTraining(X, scale, bias, running_mean, running_var)
@@ -25,172 +25,19 @@
 //
 // X is [N, C, spatial...] float32, contiguous; the statistics are per channel over N and the spatial dims,
 // accumulated in double. Work is split by channel over the session's intra-op thread pool.
-//
-// The wheel ships no C API header, so the part of ONNX Runtime's C ABI used here is declared below: the API
-// table is read by position. RegisterCustomOps checks one entry of known result (GetBuildInfoString) before it
-// registers anything, and fails the session's creation with a message otherwise.
 
 #include <algorithm>
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-extern "C" {
-struct OrtStatus;
-struct OrtValue;
-struct OrtKernelInfo;
-struct OrtKernelContext;
-struct OrtSessionOptions;
-struct OrtCustomOpDomain;
-struct OrtTensorTypeAndShapeInfo;
+#include "ort_custom_ops.h"
 
-struct OrtApiBase {
-  const void* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-// OrtCustomOp as of API version 16: the version-1 callbacks, input/output characteristics, memory types,
-// variadic arities, and the status-returning CreateKernelV2 / KernelComputeV2.
-struct OrtCustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(const OrtCustomOp*, const void*, const OrtKernelInfo*);
-  const char* (*GetName)(const OrtCustomOp*);
-  const char* (*GetExecutionProviderType)(const OrtCustomOp*);
-  int (*GetInputType)(const OrtCustomOp*, size_t);
-  size_t (*GetInputTypeCount)(const OrtCustomOp*);
-  int (*GetOutputType)(const OrtCustomOp*, size_t);
-  size_t (*GetOutputTypeCount)(const OrtCustomOp*);
-  void (*KernelCompute)(void*, OrtKernelContext*);
-  void (*KernelDestroy)(void*);
-  int (*GetInputCharacteristic)(const OrtCustomOp*, size_t);
-  int (*GetOutputCharacteristic)(const OrtCustomOp*, size_t);
-  int (*GetInputMemoryType)(const OrtCustomOp*, size_t);
-  int (*GetVariadicInputMinArity)(const OrtCustomOp*);
-  int (*GetVariadicInputHomogeneity)(const OrtCustomOp*);
-  int (*GetVariadicOutputMinArity)(const OrtCustomOp*);
-  int (*GetVariadicOutputHomogeneity)(const OrtCustomOp*);
-  OrtStatus* (*CreateKernelV2)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**);
-  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
-};
-}
-
+namespace lightning_ort_kernels {
 namespace {
-
-constexpr uint32_t kApiVersion = 17;
-constexpr uint32_t kCustomOpVersion = 16;
-constexpr int kFloat = 1;             // ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
-constexpr int kInvalidArgument = 2;   // ORT_INVALID_ARGUMENT
-constexpr int kFail = 1;              // ORT_FAIL
-constexpr int kRequired = 0;          // INPUT_OUTPUT_REQUIRED
-constexpr int kMemTypeDefault = 0;    // OrtMemTypeDefault
-constexpr const char* kDomain = "ai.lightning_ort";
-
-// Positions in the OrtApi table (onnxruntime_c_api.h, ORT_API_VERSION 17 and later).
-enum ApiEntry : size_t {
-  kCreateStatus = 0,
-  kCreateCustomOpDomain = 26,
-  kCustomOpDomainAdd = 27,
-  kAddCustomOpDomain = 28,
-  kGetTensorMutableData = 51,
-  kGetDimensionsCount = 61,
-  kGetDimensions = 62,
-  kGetTensorTypeAndShape = 65,
-  kKernelInfoGetAttributeFloat = 85,
-  kKernelInfoGetAttributeInt64 = 86,
-  kKernelContextGetInput = 90,
-  kKernelContextGetOutput = 91,
-  kReleaseTensorTypeAndShapeInfo = 99,
-  kGetBuildInfoString = 254,
-  kKernelContextParallelFor = 274,
-};
-
-// The API table and typed calls through it.
-class Api {
- public:
-  explicit Api(const void* table) : table_(static_cast<void* const*>(table)) {}
-
-  template <typename Fn>
-  Fn at(ApiEntry entry) const {
-    return reinterpret_cast<Fn>(table_[entry]);
-  }
-
-  OrtStatus* error(int code, const std::string& message) const {
-    return at<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, message.c_str());
-  }
-
- private:
-  void* const* table_;
-};
-
-const Api* api = nullptr;
-
-// The elementwise loops, compiled for AVX-512, AVX2 and baseline x86-64; the loader picks one for the CPU.
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
-#define KERNEL_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define KERNEL_CLONES
-#endif
-
-// Returns early from the enclosing function with `call`'s status when it is an error.
-#define RETURN_IF_ERROR(call)               \
-  do {                                      \
-    OrtStatus* status_ = (call);            \
-    if (status_ != nullptr) return status_; \
-  } while (0)
-
-struct Tensor {
-  float* data = nullptr;
-  int64_t dims[8] = {};
-  size_t rank = 0;
-
-  int64_t numel() const {
-    int64_t n = 1;
-    for (size_t i = 0; i < rank; ++i) n *= dims[i];
-    return n;
-  }
-};
-
-OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out) {
-  const OrtValue* value = nullptr;
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(
-      context, index, &value));
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(
-      value, &info));
-  OrtStatus* status = api->at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(
-      info, &out->rank);
-  if (status == nullptr && out->rank > 8) status = api->error(kInvalidArgument, "tensors of rank > 8");
-  if (status == nullptr)
-    status = api->at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(
-        info, out->dims, out->rank);
-  api->at<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
-  RETURN_IF_ERROR(status);
-  void* data = nullptr;
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(value),
-                                                                                       &data));
-  out->data = static_cast<float*>(data);
-  return nullptr;
-}
-
-OrtStatus* make_output(OrtKernelContext* context, size_t index, const int64_t* dims, size_t rank, float** out) {
-  OrtValue* value = nullptr;
-  RETURN_IF_ERROR(
-      api->at<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-          context, index, dims, rank, &value));
-  void* data = nullptr;
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(value, &data));
-  *out = static_cast<float*>(data);
-  return nullptr;
-}
-
-OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size_t), size_t total, void* data) {
-  return api->at<OrtStatus* (*)(OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContextParallelFor)(context, fn, total, total, data);
-}
 
 // [N, C, S] view of a batch-norm input, S the product of the spatial dims.
 struct Layout {
@@ -513,13 +360,6 @@ struct ForwardKernel {
   bool residual;  // BatchNormAddTraining
 };
 
-OrtStatus* check_same_shape(const Tensor& t, const Tensor& x, const char* op, const char* name) {
-  bool same = t.rank == x.rank;
-  for (size_t i = 0; same && i < x.rank; ++i) same = t.dims[i] == x.dims[i];
-  if (!same) return api->error(kInvalidArgument, std::string(op) + ": " + name + " must have X's shape");
-  return nullptr;
-}
-
 OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   const ForwardKernel& k = *static_cast<const ForwardKernel*>(kernel);
   const char* op = k.residual ? "BatchNormAddTraining" : "BatchNormTraining";
@@ -777,26 +617,14 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
 // ---------------------------------------------------------------------------------------------------------------
 // Op definitions.
 
-OrtStatus* read_float(const OrtKernelInfo* info, const char* name, float* value) {
-  return api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttributeFloat)(info, name,
-                                                                                                         value);
-}
-
 OrtStatus* read_clamp(const OrtKernelInfo* info, int* mode, Bounds* bounds) {
   int64_t clamp = 0;
-  RETURN_IF_ERROR(api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(
-      info, "clamp", &clamp));
+  RETURN_IF_ERROR(read_int(info, "clamp", &clamp));
   RETURN_IF_ERROR(read_float(info, "min", &bounds->lo));
   RETURN_IF_ERROR(read_float(info, "max", &bounds->hi));
   *mode = clamp_mode(clamp != 0, *bounds);
   return nullptr;
 }
-
-struct OpDefinition : OrtCustomOp {
-  const char* name;
-  size_t inputs;
-  size_t outputs;
-};
 
 template <bool kResidual>
 OrtStatus* create_forward(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
@@ -821,62 +649,16 @@ OrtStatus* create_backward(const OrtCustomOp*, const void*, const OrtKernelInfo*
 void destroy_forward(void* kernel) { delete static_cast<ForwardKernel*>(kernel); }
 void destroy_backward(void* kernel) { delete static_cast<BackwardKernel*>(kernel); }
 
-OpDefinition make_op(const char* name, size_t inputs, size_t outputs,
-                     OrtStatus* (*create)(const OrtCustomOp*, const void*, const OrtKernelInfo*, void**),
-                     OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*)) {
-  OpDefinition op{};
-  op.version = kCustomOpVersion;
-  op.name = name;
-  op.inputs = inputs;
-  op.outputs = outputs;
-  op.GetName = [](const OrtCustomOp* self) { return static_cast<const OpDefinition*>(self)->name; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return kFloat; };
-  op.GetInputTypeCount = [](const OrtCustomOp* self) { return static_cast<const OpDefinition*>(self)->inputs; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kFloat; };
-  op.GetOutputTypeCount = [](const OrtCustomOp* self) { return static_cast<const OpDefinition*>(self)->outputs; };
-  op.KernelDestroy = destroy;
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return kRequired; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return kMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.CreateKernelV2 = create;
-  op.KernelComputeV2 = compute;
-  return op;
-}
+}  // namespace
 
-OpDefinition ops[] = {
+const std::vector<OpDefinition>& batch_norm_ops() {
+  static const std::vector<OpDefinition> ops = {
     make_op("BatchNormTraining", 5, 5, create_forward<false>, forward_compute, destroy_forward),
     make_op("BatchNormTrainingGrad", 6, 3, create_backward<false>, backward_compute, destroy_backward),
     make_op("BatchNormAddTraining", 6, 5, create_forward<true>, forward_compute, destroy_forward),
     make_op("BatchNormAddTrainingGrad", 7, 4, create_backward<true>, backward_compute, destroy_backward),
-};
-
-}  // namespace
-
-extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                              const OrtApiBase* base) {
-  const void* table = base->GetApi(kApiVersion);
-  if (table == nullptr) {
-    // An ONNX Runtime older than the API version these kernels read; version 1's table can still say so.
-    const Api oldest(base->GetApi(1));
-    return oldest.error(kFail, std::string("lightning_ort batch-norm kernels need ONNX Runtime 1.17 or newer, not ") +
-                                   base->GetVersionString());
-  }
-  static Api checked(table);
-  const auto build_info = checked.at<const char* (*)()>(kGetBuildInfoString)();
-  if (build_info == nullptr || std::strncmp(build_info, "ORT Build Info", 14) != 0)
-    return checked.error(kFail, std::string("lightning_ort batch-norm kernels: ONNX Runtime ") +
-                                    base->GetVersionString() + "'s C API table is not laid out as expected");
-  api = &checked;
-  OrtCustomOpDomain* domain = nullptr;
-  RETURN_IF_ERROR(
-      api->at<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)(kDomain, &domain));
-  for (const OpDefinition& op : ops)
-    RETURN_IF_ERROR(
-        api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, &op));
-  return api->at<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+  };
+  return ops;
 }
+
+}  // namespace lightning_ort_kernels

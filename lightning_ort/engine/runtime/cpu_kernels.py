@@ -1,7 +1,9 @@
-"""lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``).
+"""lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``) and the
+max-pooling gradient (``max_pool_kernels.cpp``), over the part of ONNX Runtime's C ABI they declare
+(``ort_custom_ops.h``) and registered by ``register_kernels.cpp``.
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
-folder, under a name with a hash of the source, so that two versions of lightning_ort on one machine do not
+folder, under a name with a hash of the sources, so that two versions of lightning_ort on one machine do not
 rebuild each other's), which ONNX Runtime loads into each session whose model uses their
 domain (:data:`~lightning_ort.engine.onnx.custom_ops.DOMAIN`). Once built, a small batch norm runs through them
 and is compared with the op's PyTorch form before any graph uses them. Where the build or that check fails (no
@@ -27,24 +29,27 @@ from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.errors import first_line
 
-_SOURCE = Path(__file__).with_name("batch_norm_kernels.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / name for name in ("batch_norm_kernels.cpp", "max_pool_kernels.cpp", "register_kernels.cpp")]
+_HEADER = _HERE / "ort_custom_ops.h"
 _FLAGS = ["-O3", "-ffp-contract=off"]
 
 
 @Once
-def batch_norm_kernels() -> Path | None:
+def kernel_library() -> Path | None:
     """The built and checked kernel library, or ``None`` (with a warning, once) where that fails."""
     try:
         from torch.utils import cpp_extension
 
-        name = f"lightning_ort_batch_norm_kernels_{_source_digest()}"
-        path = Path(cpp_extension.load(name, [str(_SOURCE)], extra_cflags=_FLAGS, is_python_module=False))
+        name = f"lightning_ort_cpu_kernels_{_source_digest()}"
+        sources = [str(source) for source in _SOURCES]
+        path = Path(cpp_extension.load(name, sources, extra_cflags=_FLAGS, is_python_module=False))
         _check(path)
     except Exception as err:
         warnings.warn(
-            f"lightning_ort: its fused batch-norm kernels could not be built or did not run right "
-            f"({first_line(err)}); batch norms run as standard ONNX ops, which is slower on CPU. Install a C++ "
-            "compiler (g++ or clang++) to build them.",
+            f"lightning_ort: its CPU kernels (fused batch norm, max-pooling gradient) could not be built or did "
+            f"not run right ({first_line(err)}); batch norms and max pooling run as standard ONNX ops, which is "
+            "slower on CPU. Install a C++ compiler (g++ or clang++) to build them.",
             stacklevel=2,
         )
         return None
@@ -82,8 +87,12 @@ def _check(library: Path) -> None:
 
 
 def _source_digest() -> str:
-    """The first 12 hex digits of the SHA-256 of the kernels' source and compiler flags."""
-    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    """The first 12 hex digits of the SHA-256 of the kernels' sources, their header and the compiler flags."""
+    digest = hashlib.sha256()
+    for path in [*_SOURCES, _HEADER]:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    return digest.hexdigest()[:12]
 
 
 def uses_kernels(model: onnx.ModelProto) -> bool:
@@ -100,10 +109,10 @@ def register_kernels(options: ort.SessionOptions, model: onnx.ModelProto) -> Non
     """
     if not uses_kernels(model):
         return
-    library = batch_norm_kernels()
+    library = kernel_library()
     if library is None:
         raise RuntimeError(
-            f"the graph uses lightning_ort's batch-norm kernels ({DOMAIN} nodes), which could not be built here; "
+            f"the graph uses lightning_ort's CPU kernels ({DOMAIN} nodes), which could not be built here; "
             "clear the graph cache (cache_dir) or install a C++ compiler"
         )
     options.register_custom_ops_library(str(library))

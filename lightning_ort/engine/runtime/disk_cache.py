@@ -171,7 +171,7 @@ def source_hash() -> str:
     """
     digest = hashlib.sha256()
     package = Path(__file__).resolve().parents[1]
-    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cpp")]):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cpp"), *package.rglob("*.h")]):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
