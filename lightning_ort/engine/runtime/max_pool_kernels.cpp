@@ -8,13 +8,12 @@
 //
 // ONNX Runtime's MaxPool runs 25x slower with its Indices output than without (its values-only kernel is MLAS's),
 // and the exporter adds a second pooling of the whole input to turn those indices into PyTorch's; so the forward
-// pools values only, and this kernel finds each window's maximum again from X, comparing the columns of an output
-// row side by side (a window's taps in PyTorch's order) without branches. Work is split by plane
-// over the session's intra-op thread pool: a plane's gradient only receives its own plane's values, so no two
-// tasks write the same element.
+// pools values only, and this kernel finds each window's maximum again from X. With the plane split into its
+// stride's phases, one tap of every window is one contiguous run, compared without branches (taps in PyTorch's
+// order), so that the comparisons vectorize. Work is split by plane over the session's intra-op thread pool: a
+// plane's gradient only receives its own plane's values, so no two tasks write the same element.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -30,95 +29,138 @@ struct Window {
   int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
 };
 
+// a / b rounded down (b > 0).
+inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// A tap of the window along one axis: it reads input position o * stride + shift for output position o, shift =
+// tap * dilation - pad, which is row (or column) o + step of the input's phase shift mod stride.
+struct Tap {
+  int64_t shift, phase, step;
+};
+
+inline Tap tap_of(int64_t tap, int64_t stride, int64_t pad, int64_t dilation) {
+  const int64_t shift = tap * dilation - pad;
+  const int64_t step = floor_div(shift, stride);
+  return {shift, shift - step * stride, step};
+}
+
+// How the planes of one input shape are searched. The input plane is split into stride_h * stride_w phases (rows
+// and columns taken every stride from each offset), padded with -inf (which never wins): tap (kh, kw) of every
+// output position is then one contiguous run of a phase, read at output position t = oh * cols + ow. The outputs
+// are laid out on that grid, cols >= out_width wide; the extra columns are computed and dropped.
+struct Plan {
+  int64_t height, width, out_height, out_width;
+  int64_t rows, cols, first_step_h, first_step_w;
+  int64_t phase_size;          // floats per phase: rows * cols, and one row of slack the extra columns read
+  std::vector<int32_t> base;   // per grid position: oh * stride_h * width + ow * stride_w
+  std::vector<int32_t> first;  // per grid position: the window's first position inside the image (PyTorch's start)
+};
+
+Plan plan_of(const Window& k, int64_t height, int64_t width, int64_t out_height, int64_t out_width) {
+  Plan p{};
+  p.height = height;
+  p.width = width;
+  p.out_height = out_height;
+  p.out_width = out_width;
+  p.first_step_h = tap_of(0, k.stride_h, k.pad_h, k.dilation_h).step;
+  p.first_step_w = tap_of(0, k.stride_w, k.pad_w, k.dilation_w).step;
+  p.rows = out_height + tap_of(k.kernel_h - 1, k.stride_h, k.pad_h, k.dilation_h).step - p.first_step_h;
+  p.cols = out_width + tap_of(k.kernel_w - 1, k.stride_w, k.pad_w, k.dilation_w).step - p.first_step_w;
+  p.phase_size = (p.rows + 1) * p.cols;
+  p.base.resize(static_cast<size_t>(out_height * p.cols));
+  p.first.resize(p.base.size());
+  for (int64_t oh = 0; oh < out_height; ++oh) {
+    int64_t h0 = oh * k.stride_h - k.pad_h;
+    while (h0 < 0) h0 += k.dilation_h;
+    for (int64_t ow = 0; ow < p.cols; ++ow) {
+      int64_t w0 = ow * k.stride_w - k.pad_w;
+      while (w0 < 0) w0 += k.dilation_w;
+      p.base[oh * p.cols + ow] = static_cast<int32_t>(oh * k.stride_h * width + ow * k.stride_w);
+      p.first[oh * p.cols + ow] = static_cast<int32_t>(h0 * width + w0);
+    }
+  }
+  return p;
+}
+
+// The phases of plane x (see Plan), padded with -inf.
+KERNEL_CLONES void split_phases(const Window& k, const Plan& p, const float* __restrict__ x,
+                                float* __restrict__ phases) {
+  const float outside = -std::numeric_limits<float>::infinity();
+  for (int64_t rh = 0; rh < k.stride_h; ++rh)
+    for (int64_t rw = 0; rw < k.stride_w; ++rw) {
+      float* phase = phases + (rh * k.stride_w + rw) * p.phase_size;
+      for (int64_t i = 0; i < p.rows; ++i) {
+        const int64_t ih = (i + p.first_step_h) * k.stride_h + rh;
+        float* row = phase + i * p.cols;
+        if (ih < 0 || ih >= p.height) {
+          std::fill_n(row, p.cols, outside);
+          continue;
+        }
+        for (int64_t j = 0; j < p.cols; ++j) {
+          const int64_t iw = (j + p.first_step_w) * k.stride_w + rw;
+          row[j] = iw >= 0 && iw < p.width ? x[ih * p.width + iw] : outside;
+        }
+      }
+      std::fill_n(phase + p.rows * p.cols, p.cols, outside);
+    }
+}
+
+// One tap for every grid position: its value is taken where it is larger than the largest so far, or NaN (the
+// comparisons of PyTorch's kernel, taps in its order), without branches so that it vectorizes.
+KERNEL_CLONES void take_tap(const float* __restrict__ values, const int32_t* __restrict__ base, int32_t offset,
+                            int64_t n, float* __restrict__ largest, int32_t* __restrict__ best) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float value = values[t];
+    const bool take = (value > largest[t]) | (value != value);  // NaN: value != value
+    largest[t] = take ? value : largest[t];
+    best[t] = take ? base[t] + offset : best[t];
+  }
+}
+
 struct MaxPoolGradWork {
   const float* grad;
   const float* x;
   float* grad_x;
-  int64_t height, width, out_height, out_width;
   int64_t planes, planes_per_task;
   Window window;
+  Plan plan;
 };
 
-// The window of output column ow in a row: its first column (moved into the image by whole dilations, as PyTorch
-// moves it) and its end.
-struct Columns {
-  int64_t first, end;
-};
-
-inline Columns columns_of(const Window& k, int64_t ow, int64_t width) {
-  int64_t first = ow * k.stride_w - k.pad_w;
-  const int64_t end = std::min(first + (k.kernel_w - 1) * k.dilation_w + 1, width);
-  while (first < 0) first += k.dilation_w;
-  return {first, end};
-}
-
-// For the output columns [lo, hi) of one output row, whose windows lie wholly inside the image's columns: the
-// position of each window's maximum over the rows [h0, h1), tap by tap in PyTorch's order (row-major), every
-// column at once, without branches. (Vectorized, the strided loads of a row this short cost more.)
-KERNEL_CLONES void interior_maxima(const float* __restrict__ x, const Window& k, int64_t width, int64_t h0,
-                                   int64_t h1, int64_t lo, int64_t hi, float* __restrict__ largest,
-                                   int64_t* __restrict__ best) {
-  for (int64_t ih = h0; ih < h1; ih += k.dilation_h)
-    for (int64_t t = 0; t < k.kernel_w; ++t) {
-      const int64_t offset = ih * width + t * k.dilation_w - k.pad_w;
-      for (int64_t ow = lo; ow < hi; ++ow) {
-        const int64_t index = offset + ow * k.stride_w;
-        const float value = x[index];
-        const bool take = (value > largest[ow]) | (value != value);  // NaN: value != value
-        largest[ow] = take ? value : largest[ow];
-        best[ow] = take ? index : best[ow];
-      }
+// The gradient of one image plane; phases, largest and best are the thread's scratch space.
+void plane_grad(const Window& k, const Plan& p, const float* x, const float* grad, float* grad_x, float* phases,
+                float* largest, int32_t* best) {
+  split_phases(k, p, x, phases);
+  const int64_t n = p.out_height * p.cols;
+  std::fill_n(largest, n, -std::numeric_limits<float>::infinity());
+  std::copy(p.first.begin(), p.first.end(), best);
+  for (int64_t kh = 0; kh < k.kernel_h; ++kh) {
+    const Tap h = tap_of(kh, k.stride_h, k.pad_h, k.dilation_h);
+    for (int64_t kw = 0; kw < k.kernel_w; ++kw) {
+      const Tap w = tap_of(kw, k.stride_w, k.pad_w, k.dilation_w);
+      const float* values = phases + (h.phase * k.stride_w + w.phase) * p.phase_size +
+                            (h.step - p.first_step_h) * p.cols + (w.step - p.first_step_w);
+      take_tap(values, p.base.data(), static_cast<int32_t>(h.shift * p.width + w.shift), n, largest, best);
     }
-}
-
-// The gradient of one image plane; largest and best are scratch rows of out_width entries.
-void plane_grad(const MaxPoolGradWork& w, const float* x, const float* grad, float* grad_x, float* largest,
-                int64_t* best) {
-  const Window& k = w.window;
-  std::fill_n(grad_x, w.height * w.width, 0.0f);
-  // Output columns whose windows need no clipping to the image's columns.
-  const int64_t lo = std::min((k.pad_w + k.stride_w - 1) / k.stride_w, w.out_width);
-  const int64_t last = w.width - 1 - (k.kernel_w - 1) * k.dilation_w + k.pad_w;
-  const int64_t hi = std::max(lo, std::min(last < 0 ? 0 : last / k.stride_w + 1, w.out_width));
-  for (int64_t oh = 0; oh < w.out_height; ++oh) {
-    int64_t h0 = oh * k.stride_h - k.pad_h;
-    const int64_t h1 = std::min(h0 + (k.kernel_h - 1) * k.dilation_h + 1, w.height);
-    while (h0 < 0) h0 += k.dilation_h;
-    for (int64_t ow = 0; ow < w.out_width; ++ow) {
-      largest[ow] = -std::numeric_limits<float>::infinity();
-      best[ow] = h0 * w.width + columns_of(k, ow, w.width).first;
-    }
-    interior_maxima(x, k, w.width, h0, h1, lo, hi, largest, best);
-    const auto border = [&](int64_t ow) {
-      const Columns c = columns_of(k, ow, w.width);
-      for (int64_t ih = h0; ih < h1; ih += k.dilation_h)
-        for (int64_t iw = c.first; iw < c.end; iw += k.dilation_w) {
-          const int64_t index = ih * w.width + iw;
-          const float value = x[index];
-          if (value > largest[ow] || std::isnan(value)) {
-            largest[ow] = value;
-            best[ow] = index;
-          }
-        }
-    };
-    for (int64_t ow = 0; ow < lo; ++ow) border(ow);
-    for (int64_t ow = hi; ow < w.out_width; ++ow) border(ow);
-    const float* g = grad + oh * w.out_width;
-    for (int64_t ow = 0; ow < w.out_width; ++ow) grad_x[best[ow]] += g[ow];
   }
+  std::fill_n(grad_x, p.height * p.width, 0.0f);
+  for (int64_t oh = 0; oh < p.out_height; ++oh)
+    for (int64_t ow = 0; ow < p.out_width; ++ow) grad_x[best[oh * p.cols + ow]] += grad[oh * p.out_width + ow];
 }
 
 void grad_planes(void* data, size_t task) {
   const MaxPoolGradWork& w = *static_cast<const MaxPoolGradWork*>(data);
+  const Plan& p = w.plan;
   const int64_t first = static_cast<int64_t>(task) * w.planes_per_task;
   const int64_t last = std::min(first + w.planes_per_task, w.planes);
-  const int64_t in_plane = w.height * w.width, out_plane = w.out_height * w.out_width;
-  thread_local std::vector<float> largest;
-  thread_local std::vector<int64_t> best;
-  largest.resize(static_cast<size_t>(w.out_width));
-  best.resize(static_cast<size_t>(w.out_width));
-  for (int64_t p = first; p < last; ++p)
-    plane_grad(w, w.x + p * in_plane, w.grad + p * out_plane, w.grad_x + p * in_plane, largest.data(), best.data());
+  thread_local std::vector<float> phases, largest;
+  thread_local std::vector<int32_t> best;
+  phases.resize(static_cast<size_t>(w.window.stride_h * w.window.stride_w * p.phase_size));
+  largest.resize(p.base.size());
+  best.resize(p.base.size());
+  const int64_t in_plane = p.height * p.width, out_plane = p.out_height * p.out_width;
+  for (int64_t i = first; i < last; ++i)
+    plane_grad(w.window, p, w.x + i * in_plane, w.grad + i * out_plane, w.grad_x + i * in_plane, phases.data(),
+               largest.data(), best.data());
 }
 
 OrtStatus* max_pool_grad_compute(void* kernel, OrtKernelContext* context) {
@@ -128,21 +170,22 @@ OrtStatus* max_pool_grad_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(read_input(context, 1, &x));
   if (x.rank != 4 || grad.rank != 4 || grad.dims[0] != x.dims[0] || grad.dims[1] != x.dims[1])
     return api->error(kInvalidArgument, std::string(op) + ": X must be [N, C, H, W] and dY [N, C, OH, OW]");
-  MaxPoolGradWork work{};
-  work.grad = grad.data;
-  work.x = x.data;
-  work.height = x.dims[2];
-  work.width = x.dims[3];
-  work.out_height = grad.dims[2];
-  work.out_width = grad.dims[3];
-  work.planes = x.dims[0] * x.dims[1];
-  work.window = *static_cast<const Window*>(kernel);
-  const Window& k = work.window;
-  const int64_t reach_h = (work.out_height - 1) * k.stride_h - k.pad_h, reach_w = (work.out_width - 1) * k.stride_w - k.pad_w;
-  if (work.out_height > 0 && work.out_width > 0 && (reach_h >= work.height || reach_w >= work.width))
+  const Window& k = *static_cast<const Window*>(kernel);
+  const int64_t height = x.dims[2], width = x.dims[3], out_height = grad.dims[2], out_width = grad.dims[3];
+  const int64_t reach_h = (out_height - 1) * k.stride_h - k.pad_h, reach_w = (out_width - 1) * k.stride_w - k.pad_w;
+  if (out_height > 0 && out_width > 0 && (reach_h >= height || reach_w >= width))
     return api->error(kInvalidArgument, std::string(op) + ": dY has more positions than X's windows");
-  RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
+  if ((height + k.stride_h) * (width + k.stride_w) >= (int64_t{1} << 31))
+    return api->error(kInvalidArgument, std::string(op) + ": image planes of 2^31 positions or more");
+  float* grad_x = nullptr;
+  RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &grad_x));
   if (x.numel() == 0) return nullptr;
+  if (grad.numel() == 0) {
+    std::fill_n(grad_x, x.numel(), 0.0f);
+    return nullptr;
+  }
+  MaxPoolGradWork work{grad.data, x.data, grad_x, x.dims[0] * x.dims[1], 1, k,
+                       plan_of(k, height, width, out_height, out_width)};
   // About 64 tasks for the thread pool, whole planes each.
   work.planes_per_task = std::max<int64_t>(1, work.planes / 64);
   const int64_t tasks = (work.planes + work.planes_per_task - 1) / work.planes_per_task;
