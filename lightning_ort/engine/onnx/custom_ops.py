@@ -49,30 +49,20 @@ def _op(name: str, inputs: list[str], outputs: list[str], attributes: dict[str, 
     return onnxscript.values.Op(_OPSET, name, schema)
 
 
-_BATCH_NORM_TRAINING = _op(
-    "BatchNormTraining",
-    ["X", "scale", "B", "running_mean", "running_var"],
-    ["Y", "mean", "invstd", "new_running_mean", "new_running_var"],
-    {"epsilon": FLOAT, "momentum": FLOAT, "clamp": INT, "min": FLOAT, "max": FLOAT},
-)
-_BATCH_NORM_TRAINING_GRAD = _op(
-    "BatchNormTrainingGrad",
-    ["dY", "X", "scale", "B", "mean", "invstd"],
-    ["dX", "dscale", "dB"],
-    {"clamp": INT, "min": FLOAT, "max": FLOAT},
-)
-_BATCH_NORM_ADD_TRAINING = _op(
-    "BatchNormAddTraining",
-    ["X", "scale", "B", "running_mean", "running_var", "Z"],
-    ["Y", "mean", "invstd", "new_running_mean", "new_running_var"],
-    {"epsilon": FLOAT, "momentum": FLOAT, "clamp": INT, "min": FLOAT, "max": FLOAT},
-)
-_BATCH_NORM_ADD_TRAINING_GRAD = _op(
-    "BatchNormAddTrainingGrad",
-    ["dY", "X", "scale", "B", "mean", "invstd", "Y"],
-    ["dX", "dscale", "dB", "dZ"],
-    {"clamp": INT, "min": FLOAT, "max": FLOAT},
-)
+_CLAMP = {"clamp": INT, "min": FLOAT, "max": FLOAT}
+_FORWARD = ["X", "scale", "B", "running_mean", "running_var"]
+_FORWARD_OUTPUTS = ["Y", "mean", "invstd", "new_running_mean", "new_running_var"]
+_STATISTICS = {"epsilon": FLOAT, "momentum": FLOAT}
+_GRAD = ["dY", "X", "scale", "B", "mean", "invstd"]
+_BATCH_NORM_TRAINING = _op("BatchNormTraining", _FORWARD, _FORWARD_OUTPUTS, {**_STATISTICS, **_CLAMP})
+_BATCH_NORM_TRAINING_GRAD = _op("BatchNormTrainingGrad", _GRAD, ["dX", "dscale", "dB"], _CLAMP)
+_BATCH_NORM_ADD_TRAINING = _op("BatchNormAddTraining", [*_FORWARD, "Z"], _FORWARD_OUTPUTS, {**_STATISTICS, **_CLAMP})
+_BATCH_NORM_ADD_TRAINING_GRAD = _op("BatchNormAddTrainingGrad", [*_GRAD, "Y"], ["dX", "dscale", "dB", "dZ"], _CLAMP)
+
+
+def _clamp(clamp: bool, low: float, high: float) -> dict[str, Any]:
+    """The kernels' clamp attributes."""
+    return {"clamp": int(clamp), "min": low, "max": high}
 
 
 def batch_norm_training(
@@ -88,17 +78,9 @@ def batch_norm_training(
     high: float,
 ) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING` as one ``BatchNormTraining`` node."""
+    statistics = (running_mean, running_var)
     return _BATCH_NORM_TRAINING(
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        epsilon=eps,
-        momentum=momentum,
-        clamp=int(clamp),
-        min=low,
-        max=high,
+        input, weight, bias, *statistics, epsilon=eps, momentum=momentum, **_clamp(clamp, low, high)
     )
 
 
@@ -115,9 +97,7 @@ def batch_norm_training_backward(
 ) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_TRAINING_BACKWARD` as one ``BatchNormTrainingGrad``
     node."""
-    return _BATCH_NORM_TRAINING_GRAD(
-        grad_output, input, weight, bias, mean, invstd, clamp=int(clamp), min=low, max=high
-    )
+    return _BATCH_NORM_TRAINING_GRAD(grad_output, input, weight, bias, mean, invstd, **_clamp(clamp, low, high))
 
 
 def batch_norm_add_training(
@@ -134,18 +114,9 @@ def batch_norm_add_training(
     high: float,
 ) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_ADD_TRAINING` as one ``BatchNormAddTraining`` node."""
+    statistics = (running_mean, running_var)
     return _BATCH_NORM_ADD_TRAINING(
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        residual,
-        epsilon=eps,
-        momentum=momentum,
-        clamp=int(clamp),
-        min=low,
-        max=high,
+        input, weight, bias, *statistics, residual, epsilon=eps, momentum=momentum, **_clamp(clamp, low, high)
     )
 
 
@@ -163,9 +134,8 @@ def batch_norm_add_training_backward(
 ) -> Any:
     """:data:`~lightning_ort.engine.fx.batch_norm.BATCH_NORM_ADD_TRAINING_BACKWARD` as one
     ``BatchNormAddTrainingGrad`` node."""
-    return _BATCH_NORM_ADD_TRAINING_GRAD(
-        grad_output, input, weight, bias, mean, invstd, output, clamp=int(clamp), min=low, max=high
-    )
+    grads = (grad_output, input, weight, bias, mean, invstd, output)
+    return _BATCH_NORM_ADD_TRAINING_GRAD(*grads, **_clamp(clamp, low, high))
 
 
 _MAX_POOL_GRAD = _op(
