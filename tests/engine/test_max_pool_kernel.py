@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_ort import DebugOptions, ORTModule
+from lightning_ort.bench.vision import BasicBlock
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.runtime import cpu_kernels
@@ -154,3 +155,29 @@ def test_other_max_pooling_keeps_the_standard_export(call: dict[str, Any]) -> No
     gm = _pooling_graph(**call)
     assert replaceable_max_pools(gm) == 0 and replace_max_pools(gm) == 0
     assert any(n.target is F.max_pool2d for n in gm.graph.nodes)
+
+
+def test_the_kernels_follow_dynamic_shapes(library: Path) -> None:
+    # One graph for three batch and image sizes: the max-pooling and batch-norm kernels read their shapes at run
+    # time, the residual block's add and ReLU included.
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+        BasicBlock(16, 16, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
+    )
+    wrapped = ORTModule(copy.deepcopy(eager), dynamic=True, fallback="raise")
+    for shape in [(4, 3, 16, 16), (6, 3, 20, 20), (3, 3, 12, 12)]:
+        x = torch.randn(shape)
+        expected, actual = eager(x), wrapped(x)
+        expected.sum().backward()
+        actual.sum().backward()
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        assert_grads_close(wrapped, eager)
+    stats = wrapped.statistics
+    assert stats.graphs == 1 and stats.backward_runs == 3
