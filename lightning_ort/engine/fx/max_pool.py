@@ -1,8 +1,8 @@
 """2-D max pooling whose forward pools values only and whose backward finds each window's maximum again, on CPU.
 
 ATen's ``max_pool2d_with_indices`` exports as ONNX Runtime's ``MaxPool`` with its ``Indices`` output, which runs
-on a generic loop about 25 times slower than the values-only kernel (MLAS's), plus a second pooling of the
-whole input that turns ONNX's indices into PyTorch's. :func:`replace_max_pools` points TorchDynamo's
+on a generic loop far slower than the values-only kernel (MLAS's; see the performance page), plus a second
+pooling of the whole input that turns ONNX's indices into PyTorch's. :func:`replace_max_pools` points TorchDynamo's
 ``F.max_pool2d`` calls (float32, CPU, 4-d, no ``ceil_mode``, no indices returned) at :func:`max_pool2d`: an
 autograd function over two PyTorch ops, :data:`MAX_POOL2D` (``MaxPool`` without indices) and
 :data:`MAX_POOL2D_BACKWARD`, which runs as lightning_ort's ``ai.lightning_ort::MaxPoolGrad`` kernel

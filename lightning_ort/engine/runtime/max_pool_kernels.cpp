@@ -6,9 +6,9 @@
 //       its window's maximum in X, found as PyTorch's CPU kernel finds it: the first largest value in row-major
 //       window order, or the last NaN.
 //
-// ONNX Runtime's MaxPool runs 25x slower with its Indices output than without (its values-only kernel is MLAS's),
-// and the exporter adds a second pooling of the whole input to turn those indices into PyTorch's; so the forward
-// pools values only, and this kernel finds each window's maximum again from X. With the plane split into its
+// ONNX Runtime's MaxPool with its Indices output runs a generic loop, far slower than its values-only kernel
+// (MLAS's), and the exporter adds a second pooling of the whole input to turn those indices into PyTorch's; so the
+// forward pools values only, and this kernel finds each window's maximum again from X. With the plane split into its
 // stride's phases, one tap of every window is one contiguous run, compared without branches (taps in PyTorch's
 // order), so that the comparisons vectorize. Work is split by plane over the session's intra-op thread pool: a
 // plane's gradient only receives its own plane's values, so no two tasks write the same element.
