@@ -388,6 +388,36 @@ def test_other_convolutions_stay_plain(
 
 
 @needs_nchwc
+@needs_nchwc
+def test_convolutions_of_one_input_share_its_reorder() -> None:
+    # A strided block's 3x3 convolution and its 1x1 projection read the block's input: one blocked copy of it.
+    block = nchwc_block_size()
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, block, 8, 8])
+    weights = [
+        helper.make_tensor_value_info("w3", TensorProto.FLOAT, [block, block, 3, 3]),
+        helper.make_tensor_value_info("w1", TensorProto.FLOAT, [2 * block, block, 1, 1]),
+    ]
+    convs = [
+        helper.make_node("Conv", ["x", "w3"], ["y3"], "node_conv3", pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Conv", ["x", "w1"], ["y1"], "node_conv1", strides=[2, 2]),
+    ]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y3", "y1")]
+    graph = helper.make_graph(convs, "g", [x, *weights], outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    rng = np.random.default_rng(2)
+    feeds = {value.name: rng.standard_normal(_shape(value), dtype=np.float32) for value in [x, *weights]}
+    expected = _run_all(model, feeds)
+    assert use_nchwc_convolutions(model, block) == 2
+    reorders = [n for n in model.graph.node if n.op_type == "ReorderInput" and list(n.input) == ["x"]]
+    assert len(reorders) == 1
+    for actual, wanted in zip(_run_all(model, feeds), expected, strict=True):
+        np.testing.assert_allclose(actual, wanted, rtol=1e-4, atol=1e-4)
+
+
+def _shape(value: onnx.ValueInfoProto) -> list[int]:
+    return [dim.dim_value for dim in value.type.tensor_type.shape.dim]
+
+
 def test_conv_net_trains_like_eager_on_nchwc_kernels(tmp_path: Path) -> None:
     torch.manual_seed(0)
     eager = torch.nn.Sequential(

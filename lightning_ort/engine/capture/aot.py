@@ -35,6 +35,7 @@ from lightning_ort.engine.capture.build import (
     warn_fallback,
 )
 from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
+from lightning_ort.engine.fx.conv_phases import strided_convolutions
 from lightning_ort.engine.fx.decompositions import capture_decompositions
 from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
@@ -136,7 +137,8 @@ class CapturedGraph:
         start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
         attention_path = self._options.attention
         substitute_functions(self._gm, attention_path)
-        if self._device.type == "cpu" and _uses_cpu_kernels(self._gm) and kernel_library() is not None:
+        cpu_kernels = self._device.type == "cpu" and _uses_cpu_kernels(self._gm) and kernel_library() is not None
+        if cpu_kernels:
             fuse_batch_norms(self._gm)
             replace_max_pools(self._gm)
         backend = aot_autograd(
@@ -144,7 +146,9 @@ class CapturedGraph:
             bw_compiler=self._graph_compiler("backward"),
             inference_compiler=self._graph_compiler("inference"),
             partition_fn=_partition,
-            decompositions=capture_decompositions(self._device.type, attention_path, self._options.conv_weight_grad),
+            decompositions=capture_decompositions(
+                self._device.type, attention_path, self._options.conv_weight_grad, cpu_kernels
+            ),
         )
         try:
             # SDPA that the substitutions do not reach (inside PyTorch's own multi-head attention for cross
@@ -243,8 +247,9 @@ class CapturedGraph:
 
 def _uses_cpu_kernels(gm: torch.fx.GraphModule) -> bool:
     """Whether TorchDynamo's graph ``gm`` has calls that lightning_ort's CPU kernels compute (batch norms in
-    training mode, max pooling), so that the kernels are built only for graphs that use them."""
-    return bool(fusable_batch_norms(gm) or replaceable_max_pools(gm))
+    training mode, max pooling, stride-2 convolutions' input gradients), so that the kernels are built only for
+    graphs that use them."""
+    return bool(fusable_batch_norms(gm) or replaceable_max_pools(gm) or strided_convolutions(gm))
 
 
 def _not_our_failure(record: logging.LogRecord) -> bool:

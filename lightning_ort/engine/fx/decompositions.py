@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_ort.engine.fx.conv_phases import phase_input_grad
 from lightning_ort.engine.torch_internals import FUSED_ATTENTION_FORWARD, core_aten_decompositions, get_decompositions
 from lightning_ort.options import AttentionPath, ConvWeightGrad
 
@@ -57,8 +58,12 @@ def convolution_backward(
     groups: int,
     output_mask: Sequence[bool],
     weight_grad_path: ConvWeightGrad = "onnx",
+    phases: bool = False,
 ) -> Any:
     """Gradients of a (non-transposed) N-d convolution expressed with forward convolutions.
+
+    With ``phases``, the input gradient of a stride-2 layer is four stride-1 convolutions woven together by
+    lightning_ort's CPU kernel (:func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`) where that applies.
 
     Where ``weight_grad_path`` leaves a layer's weight gradient to PyTorch's kernel (:func:`weight_grad_in_torch`),
     that gradient is ``aten.convolution_backward`` asking for it alone, which this decomposition then leaves
@@ -80,7 +85,7 @@ def convolution_backward(
     spatial = len(stride)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        grad_input = _input_grad(grad_output, input, weight, stride, padding, dilation, groups)
+        grad_input = _input_grad(grad_output, input, weight, stride, padding, dilation, groups, phases)
     if torch_weight:
         only_weight = [False, True, False]
         grad_weight = aten.convolution_backward(
@@ -131,8 +136,11 @@ def _input_grad(
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
+    phases: bool = False,
 ) -> torch.Tensor:
-    """Input gradient: a convolution with the flipped, transposed kernel where the stride is 1, else a transposed one.
+    """Input gradient: a convolution with the flipped, transposed kernel where the stride is 1, else a transposed one
+    (or, with ``phases``, four stride-1 convolutions where :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`
+    applies).
 
     ONNX Runtime's CPU ``Conv`` is faster than its ``ConvTranspose`` on 3x3 layers; the two are equal for
     stride 1 when the transposed padding ``dilation * (kernel - 1) - padding`` is not negative. On CPU, dense
@@ -154,6 +162,9 @@ def _input_grad(
         flipped = _reversed_taps(flipped.reshape(groups * in_per_group, out_channels // groups, *kernel))
         no_adjust = [0] * spatial
         return aten.convolution(grad_output, flipped, None, stride, full_padding, dilation, False, no_adjust, groups)
+    woven = phase_input_grad(grad_output, input, weight, stride, padding, dilation, groups) if phases else None
+    if woven is not None:
+        return woven
     out_size = grad_output.shape[2:]
     adjust = [
         input.shape[2 + i] - ((out_size[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1)
@@ -800,9 +811,15 @@ def log_ndtr(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def capture_decompositions(
-    device_type: str, attention_path: AttentionPath = "onnx", conv_weight_grad: ConvWeightGrad = "auto"
+    device_type: str,
+    attention_path: AttentionPath = "onnx",
+    conv_weight_grad: ConvWeightGrad = "auto",
+    cpu_kernels: bool = False,
 ) -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
+
+    With ``cpu_kernels`` (lightning_ort's CPU kernels are built and checked), stride-2 convolutions' input
+    gradients take :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`.
 
     With ``attention_path="torch"`` SDPA's fused forward stays whole, as its backward does: a decomposed forward
     does not give the backward kernel the softmax statistics it expects.
@@ -837,7 +854,9 @@ def capture_decompositions(
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
         aten.special_log_ndtr.default: log_ndtr,
-        aten.convolution_backward.default: functools.partial(convolution_backward, weight_grad_path=conv_weight_grad),
+        aten.convolution_backward.default: functools.partial(
+            convolution_backward, weight_grad_path=conv_weight_grad, phases=cpu_kernels
+        ),
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,
         **(_CPU_ONLY if device_type == "cpu" else {}),

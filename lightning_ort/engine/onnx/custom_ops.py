@@ -1,7 +1,8 @@
 """ONNX translations of lightning_ort's own PyTorch ops, as nodes of its ONNX Runtime kernels.
 
-The ops of :mod:`lightning_ort.engine.fx.batch_norm` and the max-pooling gradient of
-:mod:`lightning_ort.engine.fx.max_pool` become nodes of the ``ai.lightning_ort`` domain, which ONNX Runtime runs
+The ops of :mod:`lightning_ort.engine.fx.batch_norm`, the max-pooling gradient of
+:mod:`lightning_ort.engine.fx.max_pool` and the phase weaving of :mod:`lightning_ort.engine.fx.conv_phases`
+become nodes of the ``ai.lightning_ort`` domain, which ONNX Runtime runs
 with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a standard
 ``MaxPool``. The exporter's
 translations are onnxscript functions; each node here is an onnxscript op with its own schema, which is not
@@ -23,6 +24,7 @@ from lightning_ort.engine.fx.batch_norm import (
     BATCH_NORM_TRAINING,
     BATCH_NORM_TRAINING_BACKWARD,
 )
+from lightning_ort.engine.fx.conv_phases import INTERLEAVE_2X2
 from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
 
 DOMAIN = "ai.lightning_ort"
@@ -161,6 +163,14 @@ def max_pool2d_backward(
     return _MAX_POOL_GRAD(grad_output, input, **attributes)
 
 
+_INTERLEAVE_2X2 = _op("Interleave2x2", ["P00", "P01", "P10", "P11"], ["Y"], {"height": INT, "width": INT})
+
+
+def interleave_2x2(even_even: Any, even_odd: Any, odd_even: Any, odd_odd: Any, height: int, width: int) -> Any:
+    """:data:`~lightning_ort.engine.fx.conv_phases.INTERLEAVE_2X2` as one ``Interleave2x2`` node."""
+    return _INTERLEAVE_2X2(even_even, even_odd, odd_even, odd_odd, height=height, width=width)
+
+
 CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     BATCH_NORM_TRAINING: batch_norm_training,
     BATCH_NORM_TRAINING_BACKWARD: batch_norm_training_backward,
@@ -168,5 +178,6 @@ CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     BATCH_NORM_ADD_TRAINING_BACKWARD: batch_norm_add_training_backward,
     MAX_POOL2D: max_pool2d,
     MAX_POOL2D_BACKWARD: max_pool2d_backward,
+    INTERLEAVE_2X2: interleave_2x2,
 }
 """The exporter's translations of lightning_ort's own ops (``custom_translation_table``)."""

@@ -644,7 +644,9 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     (``OIHWBo``). The depthwise convolutions of the backward (a depthwise weight gradient is one, whose kernel is
     the output gradient) take the same path. The input gradient's kernel, the forward weight transposed and its
     taps reversed (:func:`_flipped_kernel`), is blocked from the forward weight directly, without the transpose
-    and the reversal (:func:`_flipped_nchwc`).
+    and the reversal (:func:`_flipped_nchwc`). The kernels of a stride-2 input gradient's phase convolutions,
+    each a selection of one weight's taps (:func:`_tap_selection`), are tiles of that weight blocked once
+    (:func:`_selected_taps`).
 
     Example:
         >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16, 8, 8])
@@ -663,13 +665,18 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     nodes: list[onnx.NodeProto] = []
     initializers: list[onnx.TensorProto] = []
     replaced: list[onnx.NodeProto] = []
+    blocked_sources: set[str] = set()
     for node in model.graph.node:
         weight_shape = _nchwc_weight_shape(node, values, block)
         if weight_shape is None:
             nodes.append(node)
             continue
-        out_channels, in_channels, *kernel = weight_shape
+        out_channels, in_channels = weight_shape[:2]
         prefix = f"{node.name or node.output[0]}_nchwc"
+        folded = _folded_pad(node, producers, initializers_by_name)
+        if folded is not None:
+            node, pad = folded
+            replaced.append(pad)
         if in_channels == 1 and out_channels > 1:
             nodes += _depthwise_nchwc(node, weight_shape, prefix, initializers)
             rewritten += 1
@@ -681,28 +688,113 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
             replaced += chain
             rewritten += 1
             continue
-        split_shape, blocked_shape = f"{prefix}_split_shape", f"{prefix}_weight_shape"
-        inputs_blocked, split_weight, ordered_weight = f"{prefix}_in_blocked", f"{prefix}_split", f"{prefix}_ordered"
-        weight = f"{prefix}_weight"
-        split = [out_channels // block, block, in_channels * math.prod(kernel), 1]
-        initializers += [
-            numpy_helper.from_array(np.array(split, np.int64), split_shape),
-            numpy_helper.from_array(np.array(weight_shape, np.int64), blocked_shape),
-        ]
-        nodes += [
-            helper.make_node("ReorderInput", [node.input[1]], [inputs_blocked], inputs_blocked, domain=_NCHWC),
-            helper.make_node("Reshape", [inputs_blocked, split_shape], [split_weight], split_weight),
-            helper.make_node("ReorderInput", [split_weight], [ordered_weight], ordered_weight, domain=_NCHWC),
-            helper.make_node("Reshape", [ordered_weight, blocked_shape], [weight], weight),
-            *_blocked_conv(node, weight, prefix, weight_shape),
-        ]
+        selection = _tap_selection(node.input[1], weight_shape, producers, initializers_by_name, values)
+        if selection is not None:
+            source, source_shape, taps, chain = selection
+            if source not in blocked_sources:
+                blocked_sources.add(source)
+                nodes += _dense_blocked(source, source_shape, block, f"{source}_nchwc", initializers)
+            nodes += _selected_taps(node, source, source_shape, taps, weight_shape, block, prefix, initializers)
+            replaced += chain
+            rewritten += 1
+            continue
+        nodes += _dense_blocked(node.input[1], weight_shape, block, prefix, initializers)
+        nodes += _blocked_conv(node, f"{prefix}_weight", prefix, weight_shape)
         rewritten += 1
     if rewritten:
-        _set_nodes(model.graph, _without_unread(nodes, replaced, model.graph))
+        _set_nodes(model.graph, _shared_reorders(_without_unread(nodes, replaced, model.graph)))
         model.graph.initializer.extend(initializers)
         if not any(opset.domain == _NCHWC for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(_NCHWC, 1))
     return rewritten
+
+
+def _dense_blocked(
+    weight: str, weight_shape: list[int], block: int, prefix: str, initializers: list[onnx.TensorProto]
+) -> list[onnx.NodeProto]:
+    """The nodes that block the dense weight ``weight`` ``[O, I, kh, kw]`` into ``{prefix}_weight``, its
+    ``OIHWBiBo`` layout: ``ReorderInput`` blocks the input channels, a second on a ``[O/B, Bo, rest, 1]`` view
+    the output channels innermost."""
+    out_channels, in_channels, *kernel = weight_shape
+    split_shape, blocked_shape = f"{prefix}_split_shape", f"{prefix}_weight_shape"
+    inputs_blocked, split_weight, ordered_weight = f"{prefix}_in_blocked", f"{prefix}_split", f"{prefix}_ordered"
+    blocked = f"{prefix}_weight"
+    split = [out_channels // block, block, in_channels * math.prod(kernel), 1]
+    initializers += [
+        numpy_helper.from_array(np.array(split, np.int64), split_shape),
+        numpy_helper.from_array(np.array(weight_shape, np.int64), blocked_shape),
+    ]
+    return [
+        helper.make_node("ReorderInput", [weight], [inputs_blocked], inputs_blocked, domain=_NCHWC),
+        helper.make_node("Reshape", [inputs_blocked, split_shape], [split_weight], split_weight),
+        helper.make_node("ReorderInput", [split_weight], [ordered_weight], ordered_weight, domain=_NCHWC),
+        helper.make_node("Reshape", [ordered_weight, blocked_shape], [blocked], blocked),
+    ]
+
+
+def _tap_selection(
+    weight: str,
+    weight_shape: list[int],
+    producers: dict[str, onnx.NodeProto],
+    initializers: dict[str, onnx.TensorProto],
+    values: dict[str, _Value],
+) -> tuple[str, list[int], list[int], list[onnx.NodeProto]] | None:
+    """``(source, its shape, the taps selected in kernel order, the nodes that select them)`` if ``weight`` is a
+    selection of another weight's kernel rows and columns by constant indices (a ``Gather`` on axis 2, then one
+    on axis 3), as the phase convolutions of a stride-2 input gradient take their kernels, else ``None``."""
+    by_column = producers.get(weight)
+    by_row = by_column and producers.get(by_column.input[0])
+    chain = [node for node in (by_column, by_row) if node is not None]
+    if len(chain) != 2 or any(node.op_type != "Gather" or not _in_default_domain(node) for node in chain):
+        return None
+    source = values.get(chain[1].input[0])
+    if source is None or source.static_shape is None or len(source.static_shape) != 4:
+        return None
+    out_channels, in_channels, height, width = source.static_shape
+    if [out_channels, in_channels] != weight_shape[:2]:
+        return None
+    picked = []
+    for node, axis, size in ((chain[1], 2, height), (chain[0], 3, width)):
+        attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+        indices = initializers.get(node.input[1])
+        if attributes.get("axis", 0) != axis or indices is None or len(indices.dims) != 1:
+            return None
+        positions = [int(i) % size if -size <= int(i) < size else -1 for i in numpy_helper.to_array(indices)]
+        if min(positions, default=-1) < 0:
+            return None
+        picked.append(positions)
+    rows, columns = picked
+    return chain[1].input[0], source.static_shape, [row * width + column for row in rows for column in columns], chain
+
+
+def _selected_taps(
+    node: onnx.NodeProto,
+    source: str,
+    source_shape: list[int],
+    taps: list[int],
+    weight_shape: list[int],
+    block: int,
+    prefix: str,
+    initializers: list[onnx.TensorProto],
+) -> list[onnx.NodeProto]:
+    """``node`` on NCHWc kernels with its kernel, the ``taps`` of ``source``, gathered as ``B x B`` tiles of
+    ``source``'s blocked layout (``{source}_nchwc_weight``, :func:`_dense_blocked`)."""
+    out_blocks, in_blocks = source_shape[0] // block, source_shape[1] // block
+    source_taps = math.prod(source_shape[2:])
+    order = [(pair * source_taps + tap) for pair in range(out_blocks * in_blocks) for tap in taps]
+    tiles, selected, weight = f"{prefix}_tiles", f"{prefix}_selected", f"{prefix}_weight"
+    shapes = {
+        f"{prefix}_tiles_shape": [out_blocks * in_blocks * source_taps, block * block],
+        f"{prefix}_weight_shape": weight_shape,
+    }
+    initializers += [numpy_helper.from_array(np.array(shape, np.int64), name) for name, shape in shapes.items()]
+    initializers.append(numpy_helper.from_array(np.array(order, np.int64), f"{prefix}_tile_order"))
+    return [
+        helper.make_node("Reshape", [f"{source}_nchwc_weight", f"{prefix}_tiles_shape"], [tiles], tiles),
+        helper.make_node("Gather", [tiles, f"{prefix}_tile_order"], [selected], selected, axis=0),
+        helper.make_node("Reshape", [selected, f"{prefix}_weight_shape"], [weight], weight),
+        *_blocked_conv(node, weight, prefix, weight_shape),
+    ]
 
 
 def _flipped_kernel(
@@ -813,6 +905,71 @@ def _without_unread(
             removed.add(id(node))
             reads.subtract(node.input)
     return [node for node in nodes if id(node) not in removed]
+
+
+def _folded_pad(
+    node: onnx.NodeProto, producers: dict[str, onnx.NodeProto], initializers: dict[str, onnx.TensorProto]
+) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
+    """``(a copy of node reading the padded tensor itself with the padding in its own pads, the Pad)`` where
+    ``node``'s input is a constant zero padding of the image axes, else ``None``.
+
+    ONNX Runtime's ``PadFusion`` does the same for a standard ``Conv``, but runs after this pass has turned the
+    convolution into an NCHWc one; the padded copy would cost a pass over the tensor (the phase convolutions of a
+    stride-2 input gradient read their output gradient padded at the end).
+    """
+    pad = producers.get(node.input[0])
+    if pad is None or pad.op_type != "Pad" or pad.domain not in ("", "ai.onnx") or not 2 <= len(pad.input) <= 3:
+        return None
+    attributes = {attr.name: helper.get_attribute_value(attr) for attr in pad.attribute}
+    if attributes.get("mode", b"constant") not in (b"constant", "constant") or pad.input[1] not in initializers:
+        return None
+    if len(pad.input) == 3 and pad.input[2]:
+        value = initializers.get(pad.input[2])
+        if value is None or numpy_helper.to_array(value).size != 1 or numpy_helper.to_array(value).item() != 0:
+            return None
+    pads = [int(p) for p in numpy_helper.to_array(initializers[pad.input[1]]).reshape(-1)]
+    if len(pads) != 8 or any(pads[axis] for axis in (0, 1, 4, 5)) or any(p < 0 for p in pads):
+        return None
+    conv_attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    own = list(conv_attributes.get("pads", [0, 0, 0, 0]))
+    folded = onnx.NodeProto()
+    folded.CopyFrom(node)
+    folded.input[0] = pad.input[0]
+    del folded.attribute[:]
+    for attr in node.attribute:
+        if attr.name != "pads":
+            folded.attribute.append(attr)
+    total = [own[0] + pads[2], own[1] + pads[3], own[2] + pads[6], own[3] + pads[7]]
+    folded.attribute.append(helper.make_attribute("pads", total))
+    return folded, pad
+
+
+def _shared_reorders(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` with one ``ReorderInput`` per tensor: convolutions that read the same input (a strided block's
+    3x3 convolution and its 1x1 projection) share its blocked copy instead of each reordering it.
+
+    Example:
+        >>> reorder = [helper.make_node("ReorderInput", ["x"], [f"b{i}"], domain=_NCHWC) for i in range(2)]
+        >>> convs = [helper.make_node("Conv", [f"b{i}", "w"], [f"y{i}"], domain=_NCHWC) for i in range(2)]
+        >>> [list(node.input) for node in _shared_reorders([reorder[0], convs[0], reorder[1], convs[1]])]
+        [['x'], ['b0', 'w'], ['b0', 'w']]
+    """
+    first: dict[tuple[str, bytes], str] = {}
+    renamed: dict[str, str] = {}
+    kept: list[onnx.NodeProto] = []
+    for node in nodes:
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = renamed[name]
+        if node.op_type == "ReorderInput" and node.domain == _NCHWC:
+            attributes = b"".join(attribute.SerializeToString() for attribute in node.attribute)
+            key = (node.input[0], attributes)
+            if key in first:
+                renamed[node.output[0]] = first[key]
+                continue
+            first[key] = node.output[0]
+        kept.append(node)
+    return kept
 
 
 def _depthwise_nchwc(

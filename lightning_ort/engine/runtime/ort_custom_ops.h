@@ -223,5 +223,6 @@ inline OpDefinition make_op(const char* name, size_t inputs, size_t outputs,
 // The ops of each kernel file, which RegisterCustomOps adds to the domain.
 const std::vector<OpDefinition>& batch_norm_ops();
 const std::vector<OpDefinition>& max_pool_ops();
+const std::vector<OpDefinition>& conv_ops();
 
 }  // namespace lightning_ort_kernels
