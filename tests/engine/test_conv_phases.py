@@ -25,9 +25,9 @@ from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.bench.vision import BasicBlock
 from lightning_ort.engine.fx.conv_phases import interleave_2x2_op, phase_input_grad, strided_convolutions
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
-from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions
+from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions, weave_projection_grads
 from lightning_ort.engine.runtime import cpu_kernels
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_fp64_accuracy, assert_grads_close
 
 aten = torch.ops.aten
 needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
@@ -40,9 +40,9 @@ def library() -> Path:
     return path
 
 
-def _interleave_session(shapes: list[list[int]], height: int, width: int) -> Any:
-    names = ["p00", "p01", "p10", "p11"]
-    node = helper.make_node("Interleave2x2", names, ["y"], domain=DOMAIN, height=height, width=width)
+def _interleave_session(shapes: list[list[int]], height: int, width: int, op: str = "Interleave2x2") -> Any:
+    names = ["p00", "p01", "p10", "p11", "z"][: len(shapes)]
+    node = helper.make_node(op, names, ["y"], domain=DOMAIN, height=height, width=width)
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes, strict=True)]
     graph = helper.make_graph(
         [node], "interleave", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
@@ -68,6 +68,22 @@ def test_the_kernel_weaves_the_phases_as_the_op_does_bit_for_bit(
     session = _interleave_session(shapes, height, width)
     (actual,) = session.run(None, {n: p.numpy() for n, p in zip(["p00", "p01", "p10", "p11"], phases, strict=True)})
     assert actual.shape == (2, 3, height, width)
+    np.testing.assert_array_equal(actual, expected.numpy())
+
+
+@pytest.mark.parametrize(("height", "width"), [(8, 8), (7, 9)])
+def test_the_kernel_adds_the_projections_gradient_to_the_even_rows_even_columns(
+    library: Path, height: int, width: int
+) -> None:
+    generator = torch.Generator().manual_seed(height * width)
+    shapes = [[2, 3, (height - a + 1) // 2, (width - b + 1) // 2] for a in (0, 1) for b in (0, 1)]
+    phases = [torch.randn(shape, generator=generator) for shape in shapes]
+    projection = torch.randn(shapes[0], generator=generator)
+    expected = interleave_2x2_op(*phases, height, width)
+    expected[..., ::2, ::2] += projection
+    names = ["p00", "p01", "p10", "p11", "z"]
+    session = _interleave_session([*shapes, shapes[0]], height, width, "Interleave2x2Add")
+    (actual,) = session.run(None, {n: p.numpy() for n, p in zip(names, [*phases, projection], strict=True)})
     np.testing.assert_array_equal(actual, expected.numpy())
 
 
@@ -176,6 +192,58 @@ def test_a_zero_padding_is_folded_into_the_nchwc_convolution(value: float, folde
     np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-4)
 
 
+def _projection_sum_model(projection: dict[str, Any]) -> onnx.ModelProto:
+    phases = [f"p{i}" for i in range(4)]
+    kernel = projection.pop("kernel", 1)
+    attributes = {"strides": [2, 2], "output_padding": [1, 0], **projection}
+    nodes = [
+        helper.make_node("Interleave2x2", phases, ["dx"], "node_weave", domain=DOMAIN, height=8, width=7),
+        helper.make_node("ConvTranspose", ["dy", "w"], ["ds"], "node_projection_grad", **attributes),
+        helper.make_node("Add", ["ds", "dx"], ["grad"], "node_add"),
+    ]
+    shapes = [[2, 16, 4, 4], [2, 16, 4, 3], [2, 16, 4, 4], [2, 16, 4, 3]]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(phases, shapes, strict=True)]
+    inputs.append(helper.make_tensor_value_info("dy", TensorProto.FLOAT, [2, 32, 4, 4]))
+    inputs.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, [32, 16, kernel, kernel]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("grad", TensorProto.FLOAT, None)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def _run_with_kernels(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    options = ort.SessionOptions()
+    cpu_kernels.register_kernels(options, model)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize(
+    ("projection", "woven"),
+    [({}, True), ({"kernel": 2, "pads": [0, 0, 0, 1], "output_padding": [0, 0]}, False), ({"group": 2}, False)],
+    ids=["1x1-stride-2", "2x2", "grouped"],
+)
+def test_a_strided_projections_gradient_is_added_in_the_weave(
+    library: Path, projection: dict[str, Any], woven: bool
+) -> None:
+    model = _projection_sum_model(projection)
+    rng = np.random.default_rng(3)
+    feeds = {value.name: rng.standard_normal(_dims(value), dtype=np.float32) for value in model.graph.input}
+    if "group" in projection:
+        feeds["w"] = feeds["w"][:, :8]
+        del model.graph.input[-1].type.tensor_type.shape.dim[1:]
+        for size in [8, 1, 1]:
+            model.graph.input[-1].type.tensor_type.shape.dim.add().dim_value = size
+    expected = _run_with_kernels(model, feeds)
+    assert weave_projection_grads(model) == int(woven)
+    ops = [n.op_type for n in model.graph.node]
+    assert ("Interleave2x2Add" in ops) == woven and ("ConvTranspose" in ops) != woven
+    np.testing.assert_allclose(_run_with_kernels(model, feeds), expected, rtol=1e-5, atol=1e-5)
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int]:
+    return [dim.dim_value for dim in value.type.tensor_type.shape.dim]
+
+
 @needs_nchwc
 def test_phase_kernels_are_gathered_from_one_blocked_weight() -> None:
     # Four convolutions whose kernels select rows and columns of one [I, O, 3, 3] weight, as the phase form
@@ -214,9 +282,10 @@ def test_phase_kernels_are_gathered_from_one_blocked_weight() -> None:
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_a_net_with_strided_blocks_trains_like_eager_with_the_phase_form(library: Path, tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    eager = nn.Sequential(
+def _strided_net() -> nn.Module:
+    """A stem, a downsampling residual block (3x3 and 1x1 projection, stride 2) and a 2x2 stride-2 layer, with
+    channel counts that are multiples of the NCHWc block on AVX-512 and AVX2 machines."""
+    return nn.Sequential(
         nn.Conv2d(3, 16, 3, 1, 1, bias=False),
         nn.BatchNorm2d(16),
         nn.ReLU(),
@@ -225,6 +294,19 @@ def test_a_net_with_strided_blocks_trains_like_eager_with_the_phase_form(library
         nn.Flatten(),
         nn.Linear(32 * 4 * 4, 10),
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_strided_nets_train_through_the_phase_form_as_accurately_as_eager(library: Path, seed: int) -> None:
+    torch.manual_seed(seed)
+    eager = _strided_net()
+    wrapped = ORTModule(copy.deepcopy(eager), fallback="raise", conv_weight_grad="onnx")
+    assert_fp64_accuracy(eager, wrapped, torch.randn(6, 3, 16, 16) * 2 + 1, perturbations=2)
+
+
+def test_a_net_with_strided_blocks_trains_like_eager_with_the_phase_form(library: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = _strided_net()
     debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
     wrapped = ORTModule(copy.deepcopy(eager), debug, fallback="raise", conv_weight_grad="onnx")
     x = torch.randn(4, 3, 16, 16)
@@ -237,6 +319,6 @@ def test_a_net_with_strided_blocks_trains_like_eager_with_the_phase_form(library
         assert_grads_close(wrapped, eager)
     backward = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node
     ops = [n.op_type for n in backward]
-    assert ops.count("Interleave2x2") == 2, "the strided 3x3 and the 2x2 layers"
-    assert ops.count("ConvTranspose") == 1, "the 1x1 projection keeps the transposed convolution"
-    assert "Pad" not in ops
+    assert ops.count("Interleave2x2") == 1, "the 2x2 layer"
+    assert ops.count("Interleave2x2Add") == 1, "the strided 3x3 layer, with its block's 1x1 projection"
+    assert "ConvTranspose" not in ops and "Pad" not in ops

@@ -50,6 +50,7 @@ from onnx import helper, numpy_helper
 from onnx_ir.passes import common as common_passes
 
 from lightning_ort.engine.once import Once
+from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.logs import get_logger
 
 
@@ -623,6 +624,98 @@ def _leading_reduction(
     if not summed or summed != list(range(len(summed))) or len(summed) == len(shape):
         return None
     return shape, len(summed)
+
+
+def weave_projection_grads(model: onnx.ModelProto) -> int:
+    """Add a strided 1x1 projection's input gradient inside the phase weave of the 3x3 convolution beside it;
+    in place. Returns the number of sums rewritten.
+
+    A downsampling residual block reads its input with a stride-2 3x3 convolution and a stride-2 1x1 projection,
+    so the input's gradient is the sum of their input gradients: an ``Interleave2x2`` of four phase convolutions
+    (:mod:`lightning_ort.engine.fx.conv_phases`) and a ``ConvTranspose`` of the projection's output gradient,
+    which is zero but at the even rows' even columns. There it is the 1x1 convolution of that gradient with the
+    transposed kernel, so the sum becomes ``Interleave2x2Add``, which adds that convolution's result while it
+    weaves the even-even phase: the transposed convolution (over the whole image) and the sum's pass go.
+
+    Example:
+        >>> phases = [f"p{i}" for i in range(4)]
+        >>> weave = helper.make_node("Interleave2x2", phases, ["dx"], domain=DOMAIN, height=8, width=8)
+        >>> conv_t = helper.make_node("ConvTranspose", ["dy", "w"], ["ds"], strides=[2, 2], output_padding=[1, 1])
+        >>> add = helper.make_node("Add", ["dx", "ds"], ["grad"], "node_add")
+        >>> inputs = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 16, 4, 4]) for n in phases]
+        >>> inputs.append(helper.make_tensor_value_info("dy", onnx.TensorProto.FLOAT, [2, 32, 4, 4]))
+        >>> inputs.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [32, 16, 1, 1]))
+        >>> out = helper.make_tensor_value_info("grad", onnx.TensorProto.FLOAT, None)
+        >>> model = helper.make_model(helper.make_graph([weave, conv_t, add], "g", inputs, [out]))
+        >>> weave_projection_grads(model), [n.op_type for n in model.graph.node]
+        (1, ['Transpose', 'Conv', 'Interleave2x2Add'])
+    """
+    graph = model.graph
+    producers = {output: node for node in graph.node for output in node.output}
+    reads = Counter(name for node in graph.node for name in node.input)
+    reads.update(output.name for output in graph.output)
+    reads.update(_subgraph_reads(graph))
+    values = _values(graph)
+    rewrites: dict[int, list[onnx.NodeProto]] = {}
+    removed: set[int] = set()
+    for node in graph.node:
+        if node.op_type != "Add" or not _in_default_domain(node) or len(node.input) != 2:
+            continue
+        pair = [producers.get(name) for name in node.input]
+        weave = next((p for p in pair if p is not None and p.op_type == "Interleave2x2" and p.domain == DOMAIN), None)
+        transposed = next((p for p in pair if p is not None and p.op_type == "ConvTranspose"), None)
+        if weave is None or transposed is None or any(reads[p.output[0]] != 1 for p in (weave, transposed)):
+            continue
+        size = {attr.name: helper.get_attribute_value(attr) for attr in weave.attribute}
+        projection = _strided_projection(transposed, values, size["height"], size["width"])
+        if projection is None:
+            continue
+        prefix = node.name or node.output[0]
+        kernel, grad = f"{prefix}_projection_kernel", f"{prefix}_projection_grad"
+        out_channels, in_channels = projection
+        rewrites[id(node)] = [
+            helper.make_node("Transpose", [transposed.input[1]], [kernel], kernel, perm=[1, 0, 2, 3]),
+            helper.make_node("Conv", [transposed.input[0], kernel], [grad], f"{prefix}_projection"),
+            helper.make_node(
+                "Interleave2x2Add", [*weave.input, grad], list(node.output), prefix, domain=DOMAIN, **size
+            ),
+        ]
+        graph.value_info.append(
+            helper.make_tensor_value_info(kernel, onnx.TensorProto.FLOAT, [in_channels, out_channels, 1, 1])
+        )
+        removed.update({id(weave), id(transposed)})
+    if rewrites:
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            if id(node) not in removed:
+                nodes += rewrites.get(id(node), [node])
+        _set_nodes(graph, nodes)
+    return len(rewrites)
+
+
+def _strided_projection(
+    node: onnx.NodeProto, values: dict[str, _Value], height: int, width: int
+) -> tuple[int, int] | None:
+    """``(out_channels, in_channels)`` of the forward 1x1 stride-2 convolution whose input gradient the float32
+    ``ConvTranspose`` ``node`` is, onto a ``height`` x ``width`` image, else ``None``."""
+    if not _in_default_domain(node) or len(node.input) != 2:
+        return None
+    attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    if attributes.get("strides") != [2, 2] or attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        return None
+    if any(attributes.get(name, default) != default for name, default in _PLAIN_TRANSPOSED.items()):
+        return None
+    grad, weight = values.get(node.input[0]), values.get(node.input[1])
+    if grad is None or weight is None or weight.static_shape is None or weight.elem_type != onnx.TensorProto.FLOAT:
+        return None
+    if len(grad.dims) != 4 or list(grad.dims[2:]) != [(height + 1) // 2, (width + 1) // 2]:
+        return None
+    out_channels, in_channels, *kernel = weight.static_shape
+    return (out_channels, in_channels) if kernel == [1, 1] else None
+
+
+_PLAIN_TRANSPOSED: dict[str, Any] = {"group": 1, "dilations": [1, 1], "pads": [0, 0, 0, 0], "output_shape": None}
+"""The attributes of a ``ConvTranspose`` that :func:`_strided_projection` requires, at these values or absent."""
 
 
 def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
@@ -1300,6 +1393,7 @@ PASSES = (
     OnnxPass("bfloat16 ops computed in float32", compute_bfloat16_in_float, _CPU),
     OnnxPass("biases split from Gemm", split_gemm_bias, _CPU),
     OnnxPass("transposed matmul operands fused", fuse_transposed_operands),
+    OnnxPass("strided projections' input gradients added in the phase weave", weave_projection_grads, _CPU),
     OnnxPass("convolutions on NCHWc kernels", _nchwc_convolutions, _CPU),
     OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, _CPU),
     OnnxPass("row sums as products", sum_rows_by_product, _CPU),
