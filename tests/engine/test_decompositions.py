@@ -140,6 +140,10 @@ def test_small_images_take_products_not_convolutions_in_the_exported_graph(tmp_p
     selections = {s.shape for s in products if s.size > 1 and set(s.ravel().tolist()) == {0.0, 1.0}}
     # unfolding 4x4 -> 2x2 and 2x2 -> 2x2 (positions x taps * outputs), and folding 2x2 back (its transpose)
     assert selections == {(16, 36), (4, 36), (36, 4)}, selections
+    # 4 output positions per image: the contractions run image-minor, so every reorder moves the image axis
+    # innermost (a 2-D transpose), none moves it in front of the positions
+    transposes = [next(a.ints for a in n.attribute if a.name == "perm") for n in graph.node if n.op_type == "Transpose"]
+    assert transposes and all(list(perm) == [*range(1, len(perm)), 0] for perm in transposes), transposes
     for theirs, ours in zip(eager.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4)
 

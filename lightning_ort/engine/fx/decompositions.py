@@ -187,14 +187,20 @@ def _folded_input_grad(
 
     ONNX Runtime's ``ConvTranspose`` multiplies image by image, reading the whole weight for each image's few
     positions, and its NCHWc ``Conv`` spends most taps of a 3x3 kernel on the padding of a 2x2 image; here the
-    weight is read once.
+    weight is read once. The product's columns run image-minor where the gradient has at most
+    :data:`POSITIONS_MAJOR` positions per image, so that both reorders are 2-D transposes.
     """
     batch, channels = input.shape[0], input.shape[1]
     out_channels, kernel = weight.shape[0], weight.shape[2:]
     taps, out_positions = math.prod(kernel), math.prod(grad_output.shape[2:])
-    grad = grad_output.reshape(batch, out_channels, out_positions).transpose(0, 1).reshape(out_channels, -1)
-    columns = weight.reshape(out_channels, channels * taps).t() @ grad
-    columns = columns.reshape(channels * taps, batch, out_positions).transpose(0, 1)
+    if out_positions <= POSITIONS_MAJOR:
+        grad = grad_output.reshape(batch, out_channels * out_positions).t().reshape(out_channels, -1)
+        columns = weight.reshape(out_channels, channels * taps).t() @ grad
+        columns = columns.reshape(channels * taps * out_positions, batch).t()
+    else:
+        grad = grad_output.reshape(batch, out_channels, out_positions).transpose(0, 1).reshape(out_channels, -1)
+        columns = weight.reshape(out_channels, channels * taps).t() @ grad
+        columns = columns.reshape(channels * taps, batch, out_positions).transpose(0, 1)
     selection = selection_matrix(input, kernel, stride, padding, dilation)
     return (columns.reshape(batch * channels, taps * out_positions) @ selection.t()).reshape(input.shape)
 
@@ -286,6 +292,12 @@ def _unfolded_weight_grad(
             grad_weight = grad_weight + _columns_times_grad(unfold(input[part]), grad_output[part])
     return grad_weight.reshape(out_channels, channels, *kernel)
 
+
+POSITIONS_MAJOR = 8
+"""Most positions per image for which a small-image product's contraction (images and positions) runs
+position-major: ONNX Runtime's ``Transpose`` of ``[images, rows, positions]`` to ``[rows, positions, images]`` is
+a 2-D transpose (MLAS's), which on 2-8 positions is 2-15x faster than to ``[rows, images, positions]``, and
+slower on 16 (see the performance page)."""
 
 COLUMN_BYTES = 64 * 2**20
 """Largest unfolded input (im2col columns) one weight gradient materialises at once, in bytes."""
@@ -404,14 +416,17 @@ def _columns_times_grad(columns: torch.Tensor, grad_output: torch.Tensor) -> tor
     would be larger than the columns, so images and positions become one contraction instead, whose transposed
     copy of the columns is smaller; that product is taken in the order whose result needs no transposing where
     the contraction is no longer than the output channels (the ``[rows, out_channels]`` transpose would cost
-    more than the packing of the larger operand).
+    more than the packing of the larger operand). With at most :data:`POSITIONS_MAJOR` positions per image, the
+    contraction runs position-major, image-minor: moving the image axis innermost is one 2-D transpose, where
+    moving it to the front copies blocks of a few floats each.
     """
     batch, rows, positions = columns.shape
     out_channels = grad_output.shape[1]
     grad = grad_output.reshape(batch, out_channels, positions)
     if positions < out_channels:
-        columns_rows = columns.transpose(0, 1).reshape(rows, -1)
-        grad_rows = grad.transpose(0, 1).reshape(out_channels, -1)
+        order = (1, 2, 0) if positions <= POSITIONS_MAJOR else (1, 0, 2)
+        columns_rows = columns.permute(order).reshape(rows, -1)
+        grad_rows = grad.permute(order).reshape(out_channels, -1)
         if batch * positions <= out_channels:
             return grad_rows @ columns_rows.t()
         return (columns_rows @ grad_rows.t()).t()
