@@ -100,6 +100,7 @@ def test_the_op_has_a_gradient() -> None:
     assert torch.autograd.gradcheck(lambda *p: interleave_2x2_op(*p, 5, 6), phases)
 
 
+@pytest.mark.parametrize("depthwise", [False, True], ids=["dense", "depthwise"])
 @pytest.mark.parametrize(
     ("image", "kernel", "padding"),
     [
@@ -112,15 +113,16 @@ def test_the_op_has_a_gradient() -> None:
     ids=["3x3-even", "3x3-odd", "2x2-even", "2x2-odd", "3x2"],
 )
 def test_the_phase_form_gives_atens_input_gradient(
-    image: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int]
+    image: tuple[int, int], kernel: tuple[int, int], padding: tuple[int, int], depthwise: bool
 ) -> None:
     generator = torch.Generator().manual_seed(0)
+    groups = 5 if depthwise else 1
     x = torch.randn(3, 5, *image, generator=generator)
-    w = torch.randn(6, 5, *kernel, generator=generator)
-    grad = torch.randn_like(torch.conv2d(x, w, None, 2, padding))
-    ours = phase_input_grad(grad, x, w, [2, 2], list(padding), [1, 1], 1)
+    w = torch.randn(5 if depthwise else 6, 5 // groups, *kernel, generator=generator)
+    grad = torch.randn_like(torch.conv2d(x, w, None, 2, padding, 1, groups))
+    ours = phase_input_grad(grad, x, w, [2, 2], list(padding), [1, 1], groups)
     assert ours is not None
-    expected = aten.convolution_backward(grad, x, w, None, [2, 2], list(padding), [1, 1], False, [0, 0], 1,
+    expected = aten.convolution_backward(grad, x, w, None, [2, 2], list(padding), [1, 1], False, [0, 0], groups,
                                          [True, False, False])[0]  # fmt: skip
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
@@ -145,6 +147,12 @@ def test_other_convolutions_keep_the_transposed_form(
     w = torch.randn(4, 4 // groups, kernel, kernel, dtype=dtype)
     grad = torch.randn_like(torch.conv2d(x, w, None, stride, padding, dilation, groups))
     assert phase_input_grad(grad, x, w, [stride] * 2, [padding] * 2, [dilation] * 2, groups) is None
+
+
+def test_a_depthwise_convolution_with_several_outputs_per_channel_keeps_the_transposed_form() -> None:
+    x, w = torch.randn(2, 4, 8, 8), torch.randn(8, 1, 3, 3)
+    grad = torch.randn_like(torch.conv2d(x, w, None, 2, 1, 1, 4))
+    assert phase_input_grad(grad, x, w, [2, 2], [1, 1], [1, 1], 4) is None
 
 
 def test_strided_convolutions_are_counted_in_dynamos_graph() -> None:
@@ -283,16 +291,18 @@ def test_phase_kernels_are_gathered_from_one_blocked_weight() -> None:
 
 
 def _strided_net() -> nn.Module:
-    """A stem, a downsampling residual block (3x3 and 1x1 projection, stride 2) and a 2x2 stride-2 layer, with
-    channel counts that are multiples of the NCHWc block on AVX-512 and AVX2 machines."""
+    """A stem, a downsampling residual block (3x3 and 1x1 projection, stride 2), a 2x2 stride-2 layer and a
+    depthwise stride-2 one, with channel counts that are multiples of the NCHWc block on AVX-512 and AVX2
+    machines."""
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, 1, 1, bias=False),
         nn.BatchNorm2d(16),
         nn.ReLU(),
         BasicBlock(16, 32, 2),
         nn.Conv2d(32, 32, 2, 2),
+        nn.Conv2d(32, 32, 3, 2, 1, groups=32),
         nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 10),
+        nn.Linear(32 * 2 * 2, 10),
     )
 
 
@@ -319,6 +329,6 @@ def test_a_net_with_strided_blocks_trains_like_eager_with_the_phase_form(library
         assert_grads_close(wrapped, eager)
     backward = onnx.load(str(tmp_path / "m_training_backward.onnx")).graph.node
     ops = [n.op_type for n in backward]
-    assert ops.count("Interleave2x2") == 1, "the 2x2 layer"
+    assert ops.count("Interleave2x2") == 2, "the 2x2 and the depthwise layers"
     assert ops.count("Interleave2x2Add") == 1, "the strided 3x3 layer, with its block's 1x1 projection"
     assert "ConvTranspose" not in ops and "Pad" not in ops

@@ -115,12 +115,13 @@ def phase_input_grad(
     dilation: Sequence[int],
     groups: int,
 ) -> torch.Tensor | None:
-    """The input gradient of a dense 2-D stride-2 convolution as four stride-1 convolutions and
+    """The input gradient of a dense or depthwise 2-D stride-2 convolution as four stride-1 convolutions and
     :data:`INTERLEAVE_2X2`, or ``None`` where that form does not apply.
 
-    It applies to float32 CPU convolutions with stride 2x2, no dilation, one group, static image sizes and
-    kernels whose every phase has taps that start at the first output position (3x3 with padding 1, 2x2 with
-    none, and the like); the rest take the transposed convolution.
+    It applies to float32 CPU convolutions with stride 2x2, no dilation, one group or one per channel
+    (depthwise, one output channel each), static image sizes and kernels whose every phase has taps that start at
+    the first output position (3x3 with padding 1, 2x2 with none, and the like); the rest take the transposed
+    convolution. A depthwise layer's phases are depthwise convolutions with its own kernel's taps.
 
     Example:
         >>> x, w = torch.randn(2, 4, 8, 6), torch.randn(5, 4, 3, 3)
@@ -131,7 +132,8 @@ def phase_input_grad(
         >>> torch.allclose(ours, ref, atol=1e-5)
         True
     """
-    if list(stride) != [2, 2] or list(dilation) != [1, 1] or groups != 1 or input.dim() != 4:
+    depthwise = groups > 1 and groups == input.shape[1] == weight.shape[0] and weight.shape[1] == 1
+    if list(stride) != [2, 2] or list(dilation) != [1, 1] or (groups != 1 and not depthwise) or input.dim() != 4:
         return None
     if input.dtype != torch.float32 or input.device.type != "cpu":
         return None
@@ -145,13 +147,13 @@ def phase_input_grad(
     end_h = max(0, *((height - row + 1) // 2 - out_height + len(taps) - 1 for row, taps in enumerate(taps_h)))
     end_w = max(0, *((width - col + 1) // 2 - out_width + len(taps) - 1 for col, taps in enumerate(taps_w)))
     padded = aten.constant_pad_nd(grad_output, [0, end_w, 0, end_h], 0.0) if end_h or end_w else grad_output
-    transposed = weight.transpose(0, 1)
+    source = weight if depthwise else weight.transpose(0, 1)
     phases = []
     for rows in taps_h:
-        by_row = aten.index_select(transposed, 2, _taps(rows, weight.device))
+        by_row = aten.index_select(source, 2, _taps(rows, weight.device))
         for cols in taps_w:
             kernel = aten.index_select(by_row, 3, _taps(cols, weight.device))
-            phases.append(aten.convolution(padded, kernel, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1))
+            phases.append(aten.convolution(padded, kernel, None, [1, 1], [0, 0], [1, 1], False, [0, 0], groups))
     return INTERLEAVE_2X2(*phases, height, width)
 
 
