@@ -193,14 +193,13 @@ def _folded_input_grad(
     batch, channels = input.shape[0], input.shape[1]
     out_channels, kernel = weight.shape[0], weight.shape[2:]
     taps, out_positions = math.prod(kernel), math.prod(grad_output.shape[2:])
+    kernel_rows = weight.reshape(out_channels, channels * taps).t()
     if out_positions <= POSITIONS_MAJOR:
         grad = grad_output.reshape(batch, out_channels * out_positions).t().reshape(out_channels, -1)
-        columns = weight.reshape(out_channels, channels * taps).t() @ grad
-        columns = columns.reshape(channels * taps * out_positions, batch).t()
+        columns = (kernel_rows @ grad).reshape(channels * taps * out_positions, batch).t()
     else:
         grad = grad_output.reshape(batch, out_channels, out_positions).transpose(0, 1).reshape(out_channels, -1)
-        columns = weight.reshape(out_channels, channels * taps).t() @ grad
-        columns = columns.reshape(channels * taps, batch, out_positions).transpose(0, 1)
+        columns = (kernel_rows @ grad).reshape(channels * taps, batch, out_positions).transpose(0, 1)
     selection = selection_matrix(input, kernel, stride, padding, dilation)
     return (columns.reshape(batch * channels, taps * out_positions) @ selection.t()).reshape(input.shape)
 
@@ -296,8 +295,8 @@ def _unfolded_weight_grad(
 POSITIONS_MAJOR = 8
 """Most positions per image for which a small-image product's contraction (images and positions) runs
 position-major: ONNX Runtime's ``Transpose`` of ``[images, rows, positions]`` to ``[rows, positions, images]`` is
-a 2-D transpose (MLAS's), which on 2-8 positions is 2-15x faster than to ``[rows, images, positions]``, and
-slower on 16 (see the performance page)."""
+a 2-D transpose (MLAS's), faster than the one to ``[rows, images, positions]`` on so few positions and slower
+on 16 (see the performance page)."""
 
 COLUMN_BYTES = 64 * 2**20
 """Largest unfolded input (im2col columns) one weight gradient materialises at once, in bytes."""

@@ -474,7 +474,7 @@ def split_gemm_bias(model: onnx.ModelProto) -> int:
         if node.op_type != "Gemm" or len(node.input) != 3:
             nodes.append(node)
             continue
-        attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+        attributes = _attributes(node)
         bias = values.get(node.input[2])
         if (
             bias is None
@@ -652,9 +652,7 @@ def weave_projection_grads(model: onnx.ModelProto) -> int:
     """
     graph = model.graph
     producers = {output: node for node in graph.node for output in node.output}
-    reads = Counter(name for node in graph.node for name in node.input)
-    reads.update(output.name for output in graph.output)
-    reads.update(_subgraph_reads(graph))
+    reads = _read_counts(list(graph.node), graph)
     values = _values(graph)
     rewrites: dict[int, list[onnx.NodeProto]] = {}
     removed: set[int] = set()
@@ -666,7 +664,7 @@ def weave_projection_grads(model: onnx.ModelProto) -> int:
         transposed = next((p for p in pair if p is not None and p.op_type == "ConvTranspose"), None)
         if weave is None or transposed is None or any(reads[p.output[0]] != 1 for p in (weave, transposed)):
             continue
-        size = {attr.name: helper.get_attribute_value(attr) for attr in weave.attribute}
+        size = _attributes(weave)
         projection = _strided_projection(transposed, values, size["height"], size["width"])
         if projection is None:
             continue
@@ -700,7 +698,7 @@ def _strided_projection(
     ``ConvTranspose`` ``node`` is, onto a ``height`` x ``width`` image, else ``None``."""
     if not _in_default_domain(node) or len(node.input) != 2:
         return None
-    attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    attributes = _attributes(node)
     if attributes.get("strides") != [2, 2] or attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         return None
     if any(attributes.get(name, default) != default for name, default in _PLAIN_TRANSPOSED.items()):
@@ -848,14 +846,14 @@ def _tap_selection(
         return None
     picked = []
     for node, axis, size in ((chain[1], 2, height), (chain[0], 3, width)):
-        attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+        attributes = _attributes(node)
         indices = initializers.get(node.input[1])
         if attributes.get("axis", 0) != axis or indices is None or len(indices.dims) != 1:
             return None
-        positions = [int(i) % size if -size <= int(i) < size else -1 for i in numpy_helper.to_array(indices)]
-        if min(positions, default=-1) < 0:
+        positions = [int(i) for i in numpy_helper.to_array(indices)]
+        if not positions or not all(-size <= i < size for i in positions):
             return None
-        picked.append(positions)
+        picked.append([i % size for i in positions])
     rows, columns = picked
     return chain[1].input[0], source.static_shape, [row * width + column for row in rows for column in columns], chain
 
@@ -989,9 +987,7 @@ def _without_unread(
     ``candidates`` come consumer first (as :func:`_flipped_kernel` walks a chain back from its end), so one pass
     that forgets each removed node's reads takes a whole chain whose last node went unread.
     """
-    reads = Counter(name for node in nodes for name in node.input)
-    reads.update(output.name for output in graph.output)
-    reads.update(_subgraph_reads(graph))
+    reads = _read_counts(nodes, graph)
     removed: set[int] = set()
     for node in candidates:
         if id(node) not in removed and not any(reads[output] > 0 for output in node.output):
@@ -1013,17 +1009,18 @@ def _folded_pad(
     pad = producers.get(node.input[0])
     if pad is None or pad.op_type != "Pad" or pad.domain not in ("", "ai.onnx") or not 2 <= len(pad.input) <= 3:
         return None
-    attributes = {attr.name: helper.get_attribute_value(attr) for attr in pad.attribute}
+    attributes = _attributes(pad)
     if attributes.get("mode", b"constant") not in (b"constant", "constant") or pad.input[1] not in initializers:
         return None
     if len(pad.input) == 3 and pad.input[2]:
         value = initializers.get(pad.input[2])
-        if value is None or numpy_helper.to_array(value).size != 1 or numpy_helper.to_array(value).item() != 0:
+        constant = None if value is None else numpy_helper.to_array(value)
+        if constant is None or constant.size != 1 or constant.item() != 0:
             return None
     pads = [int(p) for p in numpy_helper.to_array(initializers[pad.input[1]]).reshape(-1)]
     if len(pads) != 8 or any(pads[axis] for axis in (0, 1, 4, 5)) or any(p < 0 for p in pads):
         return None
-    conv_attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    conv_attributes = _attributes(node)
     own = list(conv_attributes.get("pads", [0, 0, 0, 0]))
     folded = onnx.NodeProto()
     folded.CopyFrom(node)
@@ -1112,7 +1109,7 @@ def _nchwc_weight_shape(node: onnx.NodeProto, values: dict[str, _Value], block: 
     """The weight's static shape if ``node`` is a ``Conv`` :func:`use_nchwc_convolutions` rewrites, else ``None``."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return None
-    attributes = {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+    attributes = _attributes(node)
     if attributes.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         return None
     data, weight = values.get(node.input[0]), values.get(node.input[1])
@@ -1346,6 +1343,20 @@ def _set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
     """Make ``nodes`` the nodes of ``graph``, in their order: how every rewrite here ends."""
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """``node``'s attributes by name, as Python values."""
+    return {attr.name: helper.get_attribute_value(attr) for attr in node.attribute}
+
+
+def _read_counts(nodes: list[onnx.NodeProto], graph: onnx.GraphProto) -> Counter[str]:
+    """How many times each value is read: by ``nodes`` (an input listed twice counts twice), as an output of
+    ``graph``, and inside its subgraphs."""
+    reads = Counter(name for node in nodes for name in node.input)
+    reads.update(output.name for output in graph.output)
+    reads.update(_subgraph_reads(graph))
+    return reads
 
 
 def _in_default_domain(node: onnx.NodeProto) -> bool:

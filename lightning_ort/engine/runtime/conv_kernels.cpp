@@ -37,26 +37,17 @@ struct InterleaveWork {
   int64_t height, width, planes, planes_per_task;
 };
 
-// One output row from the two phases of its parity: even columns from `even` (plus `addend`'s, where given), odd
-// ones from `odd`.
-KERNEL_CLONES void weave_row(const float* __restrict even, const float* __restrict odd, float* __restrict out,
-                             int64_t width) {
+// One output row from the two phases of its parity: even columns from `even` (plus `addend`'s with kAdd; it is
+// not read otherwise), odd ones from `odd`.
+template <bool kAdd>
+KERNEL_CLONES void weave_row(const float* __restrict even, const float* __restrict addend,
+                             const float* __restrict odd, float* __restrict out, int64_t width) {
   const int64_t pairs = width / 2;
   for (int64_t v = 0; v < pairs; ++v) {
-    out[2 * v] = even[v];
+    out[2 * v] = kAdd ? even[v] + addend[v] : even[v];
     out[2 * v + 1] = odd[v];
   }
-  if (width % 2) out[width - 1] = even[pairs];
-}
-
-KERNEL_CLONES void weave_row_add(const float* __restrict even, const float* __restrict addend,
-                                 const float* __restrict odd, float* __restrict out, int64_t width) {
-  const int64_t pairs = width / 2;
-  for (int64_t v = 0; v < pairs; ++v) {
-    out[2 * v] = even[v] + addend[v];
-    out[2 * v + 1] = odd[v];
-  }
-  if (width % 2) out[width - 1] = even[pairs] + addend[pairs];
+  if (width % 2) out[width - 1] = kAdd ? even[pairs] + addend[pairs] : even[pairs];
 }
 
 template <bool kAdd>
@@ -72,10 +63,10 @@ void interleave_planes(void* data, size_t task) {
       const float* even_row = w.phases[even] + (plane * w.rows[even] + u) * w.cols[even];
       const float* odd_row = w.phases[odd] + (plane * w.rows[odd] + u) * w.cols[odd];
       if (kAdd && parity == 0)
-        weave_row_add(even_row, w.phases[4] + (plane * w.rows[4] + u) * w.cols[4], odd_row, out + y * w.width,
-                      w.width);
+        weave_row<true>(even_row, w.phases[4] + (plane * w.rows[4] + u) * w.cols[4], odd_row, out + y * w.width,
+                        w.width);
       else
-        weave_row(even_row, odd_row, out + y * w.width, w.width);
+        weave_row<false>(even_row, nullptr, odd_row, out + y * w.width, w.width);
     }
   }
 }
