@@ -283,6 +283,40 @@ def test_after_a_residual_add_the_gradient_is_masked_by_the_output_and_passed_to
         np.testing.assert_array_equal(a, e)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("size", [(1, 17), (7, 7), (8, 8), (9, 9), (5, 13), (24, 24)], ids=str)
+def test_the_gradient_matches_float64_at_image_sizes_around_its_plane_and_row_paths(
+    library: Path, residual: bool, size: tuple[int, int]
+) -> None:
+    """Images below 64 positions run the gradient over rows of channels, larger ones plane by plane in float lanes
+    with a scalar tail: each way matches PyTorch's float64 gradient of relu(bn(x) [+ z])."""
+    generator = torch.Generator().manual_seed(sum(size))
+    shape = (3, 5, *size)
+    x, z, g = (torch.randn(shape, generator=generator) for _ in range(3))
+    w, b = torch.rand(5, generator=generator) + 0.5, torch.randn(5, generator=generator)
+    feeds = {"x": x, "w": w, "b": b, "rm": torch.zeros(5), "rv": torch.ones(5)} | ({"z": z} if residual else {})
+    op = "BatchNormAddTraining" if residual else "BatchNormTraining"
+    attributes = {"clamp": 1, "min": 0.0, "max": math.inf}
+    forward = helper.make_node(
+        op, list(feeds), ["y", "m", "s", "new_rm", "new_rv"], domain=DOMAIN, epsilon=1e-5, momentum=0.1, **attributes
+    )
+    arrays = {name: value.numpy() for name, value in feeds.items()}
+    y, mean, invstd, *_ = _session(library, forward, {n: v.shape for n, v in arrays.items()}).run(None, arrays)
+    saved = {"g": g.numpy(), "x": arrays["x"], "w": arrays["w"], "b": arrays["b"], "m": mean, "s": invstd}
+    if residual:
+        saved["y"] = y
+    outputs = ["dx", "dw", "db", "dz"] if residual else ["dx", "dw", "db"]
+    backward = helper.make_node(f"{op}Grad", list(saved), outputs, domain=DOMAIN, **attributes)
+    ours = _session(library, backward, {n: v.shape for n, v in saved.items()}).run(None, saved)
+    leaves = [t.double().requires_grad_() for t in (x, w, b, z)]
+    x64, w64, b64, z64 = leaves
+    normalized = F.batch_norm(x64, None, None, w64, b64, training=True, eps=1e-5)
+    torch.relu(normalized + z64 if residual else normalized).backward(g.double())
+    for name, got, leaf in zip(outputs, ours, leaves, strict=False):
+        assert leaf.grad is not None
+        torch.testing.assert_close(torch.from_numpy(got).double(), leaf.grad, rtol=1e-4, atol=2e-5, msg=name)
+
+
 def test_a_kernel_given_mismatched_shapes_fails_with_a_message_naming_the_input(library: Path) -> None:
     shapes = {"g": (2, 3, 4), "x": (2, 3, 4), "w": (4,), "b": (3,), "m": (3,), "s": (3,)}
     session = _session(library, _grad_node(None), shapes)

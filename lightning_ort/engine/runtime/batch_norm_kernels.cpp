@@ -66,10 +66,14 @@ OrtStatus* check_channels(const Tensor& t, int64_t channels, const char* op, con
 // the forward's output. The library is compiled without floating-point contraction, so both compute the same y.
 
 // Sums are taken in kLanes independent float accumulators (which the compiler keeps in vector registers: a
-// single accumulator is one dependent addition per element) over runs of kRun elements, and in double across
-// runs, so float rounding stays local to a run.
+// single accumulator is one dependent addition per element) over runs of at most kRun elements, and in double
+// across runs, so float rounding stays local to a run.
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRun = 512;
+
+// The end of the run of whole lane groups that starts at start, in a plane of n elements: at most kRun elements
+// on, start itself where fewer than kLanes are left (the rest is summed one by one).
+inline int64_t run_end(int64_t start, int64_t n) { return start + std::min(kRun, (n - start) / kLanes * kLanes); }
 
 double lane_total(const float* lanes) {
   double total = 0.0;
@@ -142,22 +146,28 @@ int clamp_mode(bool clamp, Bounds bounds) {
 }
 
 // Channels are split into blocks, one task each; a block's elements in one image are contiguous, a row of
-// block * spatial floats. Images of at least kRun positions take one channel per block, sum each plane in float
-// lanes and run the elementwise passes plane by plane with the channel's coefficients. Smaller images take enough
-// channels per block to make rows of about kRowElements, summed column by column in double across the batch, and
-// run the elementwise passes over rows with per-element coefficients, so that no loop runs over a handful of
-// elements.
+// block * spatial floats. Images of at least kForwardPlanes positions (kGradPlanes for the gradient) take one
+// channel per block, sum each plane in float lanes and run the elementwise passes plane by plane with the
+// channel's coefficients. Smaller images take enough channels per block to make rows of about kRowElements,
+// summed column by column in double across the batch, and run the elementwise passes over rows with per-element
+// coefficients, so that no loop runs over a handful of elements. The gradient's row passes read six coefficient
+// arrays and two double accumulators per element, so it takes planes from smaller images than the forward does
+// (the thresholds are measured: docs/performance.md, "Batch norm in fused kernels").
 constexpr int64_t kRowElements = 4096;
+constexpr int64_t kForwardPlanes = kRun;
+constexpr int64_t kGradPlanes = 64;
 
 struct Blocks {
   int64_t channels;  // per block
   int64_t count;
+  bool planes;  // one channel per block, run plane by plane
 };
 
-Blocks blocks_of(const Layout& l) {
-  int64_t per = l.spatial >= kRun ? 1 : std::max<int64_t>(1, kRowElements / std::max<int64_t>(l.spatial, 1));
+Blocks blocks_of(const Layout& l, int64_t plane_positions) {
+  const bool planes = l.spatial >= plane_positions;
+  int64_t per = planes ? 1 : std::max<int64_t>(1, kRowElements / std::max<int64_t>(l.spatial, 1));
   per = std::min(per, std::max<int64_t>(1, (l.channels + 7) / 8));  // 8 tasks or more for the thread pool
-  return {per, (l.channels + per - 1) / per};
+  return {per, (l.channels + per - 1) / per, planes};
 }
 
 // The per-element coefficient arrays of a block's rows: the normalization's a and b (forward and gradient), and
@@ -168,6 +178,7 @@ enum Coefficient { kA = 0, kB = 1, kMean = 2, kShift = 3, kProjection = 4, kScal
 // thread's next block.
 struct Block {
   int64_t first, last, row;
+  bool planes;
   float* coefficients;  // kCoefficients arrays of row floats
   double* sums;         // 2 arrays of row doubles
 
@@ -177,6 +188,7 @@ struct Block {
     first = static_cast<int64_t>(task) * blocks.channels;
     last = std::min(first + blocks.channels, l.channels);
     row = (last - first) * l.spatial;
+    planes = blocks.planes;
     thread_local std::vector<float> floats;
     thread_local std::vector<double> doubles;
     floats.resize(static_cast<size_t>(kCoefficients * row));
@@ -235,9 +247,9 @@ void with_modes(int mode, bool residual, Body body) {
 KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
   double total = 0.0, total_squares = 0.0;
   int64_t start = 0;
-  for (; start + kRun <= n; start += kRun) {
+  for (int64_t end; (end = run_end(start, n)) > start; start = end) {
     float s[kLanes] = {}, q[kLanes] = {};
-    for (int64_t i = start; i < start + kRun; i += kLanes)
+    for (int64_t i = start; i < end; i += kLanes)
       for (int64_t j = 0; j < kLanes; ++j) {
         s[j] += p[i + j];
         q[j] += p[i + j] * p[i + j];
@@ -263,7 +275,7 @@ KERNEL_CLONES void column_sums(const float* p, int64_t n, double* sum, double* s
 // The per-channel sums of x and x * x over a block.
 void block_sums(const float* x, const Layout& l, const Block& block, double* sum, double* squares) {
   const int64_t stride = l.channels * l.spatial;
-  if (l.spatial >= kRun) {
+  if (block.planes) {
     for (int64_t c = block.first; c < block.last; ++c)
       for (int64_t n = 0; n < l.batch; ++n)
         plane_sums(x + n * stride + c * l.spatial, l.spatial, &sum[c - block.first], &squares[c - block.first]);
@@ -312,7 +324,7 @@ template <int kClamp, bool kResidual>
 void normalize_block(const ForwardWork& w, const Block& block) {
   const Layout& l = w.layout;
   const int64_t stride = l.channels * l.spatial;
-  if (l.spatial >= kRun) {
+  if (block.planes) {
     for (int64_t c = block.first; c < block.last; ++c) {
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
@@ -387,7 +399,7 @@ OrtStatus* forward_compute(void* kernel, OrtKernelContext* context) {
   work.running_mean = running_mean.data;
   work.running_var = running_var.data;
   work.layout = layout;
-  work.blocks = blocks_of(layout);
+  work.blocks = blocks_of(layout, kForwardPlanes);
   work.epsilon = k.epsilon;
   work.momentum = k.momentum;
   work.clamp = k.clamp;
@@ -429,9 +441,9 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, const float* 
                                    Bounds bounds, double* sum, double* dot) {
   double total = 0.0, total_dot = 0.0;
   int64_t start = 0;
-  for (; start + kRun <= n; start += kRun) {
+  for (int64_t end; (end = run_end(start, n)) > start; start = end) {
     float s[kLanes] = {}, d[kLanes] = {};
-    for (int64_t i = start; i < start + kRun; i += kLanes)
+    for (int64_t i = start; i < end; i += kLanes)
       for (int64_t j = 0; j < kLanes; ++j) {
         const float gi = masked<kClamp, kResidual>(g, x, y, i + j, f.a, f.b, bounds);
         s[j] += gi;
@@ -485,7 +497,7 @@ template <int kClamp, bool kResidual>
 void block_grad_sums(const BackwardWork& w, const Block& block, double* sum, double* dot) {
   const Layout& l = w.layout;
   const int64_t stride = l.channels * l.spatial;
-  if (l.spatial >= kRun) {
+  if (block.planes) {
     for (int64_t c = block.first; c < block.last; ++c) {
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
@@ -510,7 +522,7 @@ template <int kClamp, bool kResidual>
 void backward_block_with(const BackwardWork& w, const Block& block) {
   const Layout& l = w.layout;
   const int64_t channels = block.last - block.first;
-  if (l.spatial < kRun) {
+  if (!block.planes) {
     block.fill_affine(l.spatial, w.scale, w.bias, w.mean, w.invstd);
     block.fill(kMean, l.spatial, [&](int64_t c) { return w.mean[c]; });
   }
@@ -529,7 +541,7 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
   };
   const auto scale = [&](int64_t c) { return static_cast<float>(static_cast<double>(w.scale[c]) * w.invstd[c]); };
   const int64_t stride = l.channels * l.spatial;
-  if (l.spatial >= kRun) {
+  if (block.planes) {
     for (int64_t c = block.first; c < block.last; ++c) {
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
@@ -599,7 +611,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   work.invstd = invstd.data;
   work.y = y.data;
   work.layout = layout;
-  work.blocks = blocks_of(layout);
+  work.blocks = blocks_of(layout, kGradPlanes);
   work.clamp = k.clamp;
   work.bounds = k.bounds;
   const int64_t channels[1] = {layout.channels};
