@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from lightning_ort.engine.fx import batch_norm, conv_phases, max_pool
+from lightning_ort.engine.fx import batch_norm, conv_phases, gelu, max_pool
 
 
 def _custom_op_docstrings(module: ModuleType) -> list[tuple[str, str, int]]:
@@ -28,7 +28,9 @@ def _custom_op_docstrings(module: ModuleType) -> list[tuple[str, str, int]]:
     return found
 
 
-@pytest.mark.parametrize("module", [batch_norm, conv_phases, max_pool], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize(
+    "module", [batch_norm, conv_phases, gelu, max_pool], ids=lambda m: m.__name__.rsplit(".", 1)[-1]
+)
 def test_the_examples_of_each_custom_op_hold(module: ModuleType) -> None:
     ops = _custom_op_docstrings(module)
     assert ops, "the module defines custom ops"

@@ -1,7 +1,7 @@
 """lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``), the
-max-pooling gradient (``max_pool_kernels.cpp``) and the weaving of a stride-2 convolution's input gradient
-(``conv_kernels.cpp``), over the part of ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and registered
-by ``register_kernels.cpp``.
+max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient
+(``conv_kernels.cpp``) and GELU's gradient (``activation_kernels.cpp``), over the part of ONNX Runtime's C ABI
+they declare (``ort_custom_ops.h``) and registered by ``register_kernels.cpp``.
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
 folder, under a name with a hash of the sources, so that two versions of lightning_ort on one machine do not
@@ -33,10 +33,19 @@ from lightning_ort.errors import first_line
 _HERE = Path(__file__).parent
 _SOURCES = [
     _HERE / name
-    for name in ("batch_norm_kernels.cpp", "max_pool_kernels.cpp", "conv_kernels.cpp", "register_kernels.cpp")
+    for name in (
+        "batch_norm_kernels.cpp",
+        "max_pool_kernels.cpp",
+        "conv_kernels.cpp",
+        "activation_kernels.cpp",
+        "register_kernels.cpp",
+    )
 ]
 _HEADER = _HERE / "ort_custom_ops.h"
-_FLAGS = ["-O3", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+"""No contraction into fused multiply-adds, so that the batch norm's forward and gradient compute the same values;
+no floating-point traps assumed (none are enabled), so that the compiler vectorizes loops that select between
+computed values."""
 
 
 @Once
@@ -52,9 +61,9 @@ def kernel_library() -> Path | None:
     except Exception as err:
         warnings.warn(
             f"lightning_ort: its CPU kernels (fused batch norm, max-pooling gradient, strided convolutions' input "
-            f"gradient) could not be built or did not run right ({first_line(err)}); batch norms, max pooling and "
-            "those gradients run as standard ONNX ops, which is slower on CPU. Install a C++ compiler (g++ or "
-            "clang++) to build them.",
+            f"gradient, GELU's gradient) could not be built or did not run right ({first_line(err)}); batch norms, "
+            "max pooling and those gradients run as standard ONNX ops, which is slower on CPU. Install a C++ "
+            "compiler (g++ or clang++) to build them.",
             stacklevel=2,
         )
         return None

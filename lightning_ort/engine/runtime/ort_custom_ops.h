@@ -224,5 +224,6 @@ inline OpDefinition make_op(const char* name, size_t inputs, size_t outputs,
 const std::vector<OpDefinition>& batch_norm_ops();
 const std::vector<OpDefinition>& max_pool_ops();
 const std::vector<OpDefinition>& conv_ops();
+const std::vector<OpDefinition>& activation_ops();
 
 }  // namespace lightning_ort_kernels
