@@ -34,13 +34,6 @@ from lightning_ort.engine.runtime import cpu_kernels
 from tests.helpers import assert_fp64_accuracy
 
 
-@pytest.fixture(scope="module")
-def library() -> Path:
-    path = cpu_kernels.kernel_library()
-    assert path is not None, "the batch-norm kernels did not build (is a C++ compiler installed?)"
-    return path
-
-
 class ConvNet(nn.Module):
     """Conv/BN/ReLU, a BN without ReLU before a residual add, an affine-free BN with an in-place ReLU, a BN with
     ReLU6, one with a hardtanh, and a BN whose output feeds a ReLU and the head (so that ReLU cannot be fused)."""

@@ -33,13 +33,6 @@ aten = torch.ops.aten
 needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
 
 
-@pytest.fixture(scope="module")
-def library() -> Path:
-    path = cpu_kernels.kernel_library()
-    assert path is not None, "lightning_ort's CPU kernels did not build (is a C++ compiler installed?)"
-    return path
-
-
 def _interleave_session(shapes: list[list[int]], height: int, width: int, op: str = "Interleave2x2") -> Any:
     names = ["p00", "p01", "p10", "p11", "z"][: len(shapes)]
     node = helper.make_node(op, names, ["y"], domain=DOMAIN, height=height, width=width)

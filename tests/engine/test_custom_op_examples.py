@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from lightning_ort.engine.fx import batch_norm, conv_phases, gelu, max_pool
+from lightning_ort.engine.fx import batch_norm, conv_phases, gelu, layer_norm, max_pool
 
 
 def _custom_op_docstrings(module: ModuleType) -> list[tuple[str, str, int]]:
@@ -29,7 +29,7 @@ def _custom_op_docstrings(module: ModuleType) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.parametrize(
-    "module", [batch_norm, conv_phases, gelu, max_pool], ids=lambda m: m.__name__.rsplit(".", 1)[-1]
+    "module", [batch_norm, conv_phases, gelu, layer_norm, max_pool], ids=lambda m: m.__name__.rsplit(".", 1)[-1]
 )
 def test_the_examples_of_each_custom_op_hold(module: ModuleType) -> None:
     ops = _custom_op_docstrings(module)

@@ -31,13 +31,6 @@ from tests.helpers import assert_fp64_accuracy
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module")
-def library() -> Path:
-    path = cpu_kernels.kernel_library()
-    assert path is not None, "the CPU kernels did not build (is a C++ compiler installed?)"
-    return path
-
-
 def _session(library: Path, approximate: int) -> ort.InferenceSession:
     node = helper.make_node("GeluGrad", ["g", "x"], ["dx"], domain=DOMAIN, approximate=approximate)
     graph = helper.make_graph(

@@ -31,13 +31,6 @@ from tests.helpers import assert_grads_close
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module")
-def library() -> Path:
-    path = cpu_kernels.kernel_library()
-    assert path is not None, "lightning_ort's CPU kernels did not build (is a C++ compiler installed?)"
-    return path
-
-
 def _grad_session(library: Path, window: dict[str, int], x_shape: list[int], grad_shape: list[int]) -> Any:
     node = helper.make_node("MaxPoolGrad", ["g", "x"], ["dx"], domain=DOMAIN, **window)
     graph = helper.make_graph(

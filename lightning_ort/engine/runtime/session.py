@@ -194,6 +194,7 @@ class GraphSession:
         captures = _captures(graph, device, settings)
         capture = torch.cuda.Stream(device) if captures and device.type == "cuda" else None
         providers = providers_for(device, settings, capture)
+        register_kernels(options, model)
         if captures:
             try:
                 self._session = self._create(model, options, providers)
@@ -202,7 +203,6 @@ class GraphSession:
                 captures, capture = False, None
                 providers = providers_for(device, settings)
         try:
-            register_kernels(options, model)
             if not captures:
                 if device.type == "cuda":
                     for key, value in cuda_session_config(settings.cuda_memory, _device_index(device)).items():
