@@ -7,11 +7,37 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import onnx
+import onnxruntime as ort
 import torch
+from onnx import TensorProto, helper
 from torch.utils._pytree import tree_leaves, tree_map_only
+
+from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.runtime import cpu_kernels
 
 OUTPUT_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 GRAD_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
+
+
+def session_with_kernels(model: onnx.ModelProto) -> ort.InferenceSession:
+    """A CPU session of ``model`` that finds lightning_ort's kernels, where it uses them."""
+    options = ort.SessionOptions()
+    cpu_kernels.register_kernels(options, model)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def kernel_session(node: onnx.NodeProto, inputs: dict[str, Sequence[int] | None]) -> ort.InferenceSession:
+    """A CPU session of one node of lightning_ort's kernels, its float32 ``inputs`` named with their shapes
+    (``None``: any shape) and its outputs those the node names."""
+    graph = helper.make_graph(
+        [node],
+        node.op_type,
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs.items()],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output],
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
+    return session_with_kernels(helper.make_model(graph, opset_imports=opsets, ir_version=10))
 
 
 def clone_inputs(value: Any) -> Any:

@@ -21,7 +21,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 from torch import nn
 from torch.nn import functional as F
 
@@ -31,7 +31,7 @@ from lightning_ort.engine.capture import aot
 from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.runtime import cpu_kernels
-from tests.helpers import assert_fp64_accuracy
+from tests.helpers import assert_fp64_accuracy, kernel_session
 
 
 class ConvNet(nn.Module):
@@ -182,21 +182,6 @@ def test_one_and_three_dimensional_batch_norms_match_eager(
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def _session(library: Path, node: onnx.NodeProto, inputs: dict[str, tuple[int, ...]]) -> ort.InferenceSession:
-    graph = helper.make_graph(
-        [node],
-        "kernel",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, shape) for name, shape in inputs.items()],
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in node.output],
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10
-    )
-    options = ort.SessionOptions()
-    cpu_kernels.register_kernels(options, model)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def _grad_node(clamp: tuple[float, float] | None) -> onnx.NodeProto:
     low, high = clamp if clamp is not None else (0.0, math.inf)
     inputs, outputs = ["g", "x", "w", "b", "m", "s"], ["dx", "dw", "db"]
@@ -218,7 +203,7 @@ def test_the_gradient_is_zero_where_the_activation_was_flat_even_for_infinite_gr
     g = rng.standard_normal(x.shape).astype(np.float32)
     g_poisoned = np.where(off, np.float32(np.inf), g)
     shapes = {"g": x.shape, "x": x.shape, "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
-    session = _session(library, _grad_node(clamp), shapes)
+    session = kernel_session(_grad_node(clamp), shapes)
     feeds = {"x": x, "w": w, "b": b, "m": mean.astype(np.float32), "s": invstd.astype(np.float32)}
     clean = session.run(None, {"g": np.where(off, 0, g).astype(np.float32), **feeds})
     poisoned = session.run(None, {"g": g_poisoned, **feeds})
@@ -244,7 +229,7 @@ def test_after_a_residual_add_the_gradient_is_masked_by_the_output_and_passed_to
         min=0.0,
         max=math.inf,
     )
-    y, *_ = _session(library, forward, {n: v.shape for n, v in inputs.items()}).run(None, inputs)
+    y, *_ = kernel_session(forward, {n: v.shape for n, v in inputs.items()}).run(None, inputs)
     normalized = F.batch_norm(torch.from_numpy(x), None, None, torch.from_numpy(w), torch.from_numpy(b), True)
     expected = torch.relu(normalized + torch.from_numpy(z))
     torch.testing.assert_close(torch.from_numpy(y), expected, rtol=1e-5, atol=1e-5)
@@ -262,7 +247,7 @@ def test_after_a_residual_add_the_gradient_is_masked_by_the_output_and_passed_to
         max=math.inf,
     )
     feeds = {"x": x, "w": w, "b": b, "m": mean.astype(np.float32), "s": invstd.astype(np.float32), "y": y}
-    session = _session(library, backward, {"g": x.shape, **{n: v.shape for n, v in feeds.items()}})
+    session = kernel_session(backward, {"g": x.shape, **{n: v.shape for n, v in feeds.items()}})
     clean = session.run(None, {"g": np.where(off, 0, g).astype(np.float32), **feeds})
     poisoned = session.run(None, {"g": np.where(off, np.float32(np.inf), g), **feeds})
     for a, e in zip(poisoned, clean, strict=True):
@@ -270,7 +255,7 @@ def test_after_a_residual_add_the_gradient_is_masked_by_the_output_and_passed_to
     np.testing.assert_array_equal(clean[3], np.where(off, 0, g))
     # dX, dscale and dbias are the plain gradient's of the masked dY.
     plain_shapes = {"g": x.shape, "x": x.shape, "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
-    plain = _session(library, _grad_node(None), plain_shapes)
+    plain = kernel_session(_grad_node(None), plain_shapes)
     unclamped = plain.run(None, {"g": clean[3], **{n: v for n, v in feeds.items() if n != "y"}})
     for a, e in zip(clean[:3], unclamped, strict=True):
         np.testing.assert_array_equal(a, e)
@@ -294,13 +279,13 @@ def test_the_gradient_matches_float64_at_image_sizes_around_its_plane_and_row_pa
         op, list(feeds), ["y", "m", "s", "new_rm", "new_rv"], domain=DOMAIN, epsilon=1e-5, momentum=0.1, **attributes
     )
     arrays = {name: value.numpy() for name, value in feeds.items()}
-    y, mean, invstd, *_ = _session(library, forward, {n: v.shape for n, v in arrays.items()}).run(None, arrays)
+    y, mean, invstd, *_ = kernel_session(forward, {n: v.shape for n, v in arrays.items()}).run(None, arrays)
     saved = {"g": g.numpy(), "x": arrays["x"], "w": arrays["w"], "b": arrays["b"], "m": mean, "s": invstd}
     if residual:
         saved["y"] = y
     outputs = ["dx", "dw", "db", "dz"] if residual else ["dx", "dw", "db"]
     backward = helper.make_node(f"{op}Grad", list(saved), outputs, domain=DOMAIN, **attributes)
-    ours = _session(library, backward, {n: v.shape for n, v in saved.items()}).run(None, saved)
+    ours = kernel_session(backward, {n: v.shape for n, v in saved.items()}).run(None, saved)
     leaves = [t.double().requires_grad_() for t in (x, w, b, z)]
     x64, w64, b64, z64 = leaves
     normalized = F.batch_norm(x64, None, None, w64, b64, training=True, eps=1e-5)
@@ -312,7 +297,7 @@ def test_the_gradient_matches_float64_at_image_sizes_around_its_plane_and_row_pa
 
 def test_a_kernel_given_mismatched_shapes_fails_with_a_message_naming_the_input(library: Path) -> None:
     shapes = {"g": (2, 3, 4), "x": (2, 3, 4), "w": (4,), "b": (3,), "m": (3,), "s": (3,)}
-    session = _session(library, _grad_node(None), shapes)
+    session = kernel_session(_grad_node(None), shapes)
     feeds = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
     with pytest.raises(Exception, match=r"BatchNormTrainingGrad: scale must have shape \[C\] = \[3\]"):
         session.run(None, feeds)

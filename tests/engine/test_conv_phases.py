@@ -26,26 +26,18 @@ from lightning_ort.bench.vision import BasicBlock
 from lightning_ort.engine.fx.conv_phases import interleave_2x2_op, phase_input_grad, strided_convolutions
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions, weave_projection_grads
-from lightning_ort.engine.runtime import cpu_kernels
-from tests.helpers import assert_fp64_accuracy, assert_grads_close
+from tests.helpers import assert_fp64_accuracy, assert_grads_close, kernel_session, session_with_kernels
 
 aten = torch.ops.aten
 needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
 
 
-def _interleave_session(shapes: list[list[int]], height: int, width: int, op: str = "Interleave2x2") -> Any:
+def _interleave_session(
+    shapes: list[list[int]], height: int, width: int, op: str = "Interleave2x2"
+) -> ort.InferenceSession:
     names = ["p00", "p01", "p10", "p11", "z"][: len(shapes)]
     node = helper.make_node(op, names, ["y"], domain=DOMAIN, height=height, width=width)
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in zip(names, shapes, strict=True)]
-    graph = helper.make_graph(
-        [node], "interleave", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10
-    )
-    options = ort.SessionOptions()
-    cpu_kernels.register_kernels(options, model)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return kernel_session(node, dict(zip(names, shapes, strict=True)))
 
 
 @pytest.mark.parametrize(("height", "width"), [(8, 8), (7, 9), (1, 6), (5, 1)])
@@ -212,10 +204,7 @@ def _projection_sum_model(projection: dict[str, Any]) -> onnx.ModelProto:
 
 
 def _run_with_kernels(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    options = ort.SessionOptions()
-    cpu_kernels.register_kernels(options, model)
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return session_with_kernels(model).run(None, feeds)[0]
 
 
 @pytest.mark.parametrize(

@@ -18,33 +18,21 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.fx.gelu import GELU_BACKWARD, gelu_backward
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
-from lightning_ort.engine.runtime import cpu_kernels
-from tests.helpers import assert_fp64_accuracy
+from tests.helpers import assert_fp64_accuracy, kernel_session
 
 aten = torch.ops.aten
 
 
-def _session(library: Path, approximate: int) -> ort.InferenceSession:
+def _session(approximate: int) -> ort.InferenceSession:
     node = helper.make_node("GeluGrad", ["g", "x"], ["dx"], domain=DOMAIN, approximate=approximate)
-    graph = helper.make_graph(
-        [node],
-        "gelu_grad",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("g", "x")],
-        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10
-    )
-    options = ort.SessionOptions()
-    cpu_kernels.register_kernels(options, model)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return kernel_session(node, {"g": None, "x": None})
 
 
 @pytest.mark.parametrize(("approximate", "name"), [(0, "none"), (1, "tanh")])
@@ -56,7 +44,7 @@ def test_the_gradient_matches_float64_from_the_far_negative_tail_to_the_far_posi
     generator = torch.Generator().manual_seed(0)
     x = torch.cat([torch.linspace(-20, 20, 200_001), torch.randn(50_000, generator=generator) * 3, torch.zeros(1)])
     g = torch.randn(x.shape, generator=generator)
-    (ours,) = _session(library, approximate).run(None, {"g": g.numpy(), "x": x.numpy()})
+    (ours,) = _session(approximate).run(None, {"g": g.numpy(), "x": x.numpy()})
     expected = aten.gelu_backward(g.double(), x.double(), approximate=name)
     torch.testing.assert_close(torch.from_numpy(ours).double(), expected, rtol=1e-6, atol=4e-7)
     tail = x < -5
@@ -66,16 +54,16 @@ def test_the_gradient_matches_float64_from_the_far_negative_tail_to_the_far_posi
 def test_a_nan_input_gives_a_nan_gradient_and_large_ones_their_limits(library: Path) -> None:
     x = np.array([np.nan, 1e4, -1e4, 90.0, -90.0], np.float32)
     for approximate in (0, 1):
-        (ours,) = _session(library, approximate).run(None, {"g": np.ones_like(x), "x": x})
+        (ours,) = _session(approximate).run(None, {"g": np.ones_like(x), "x": x})
         assert np.isnan(ours[0])
         np.testing.assert_array_equal(ours[1:], [1.0, 0.0, 1.0, 0.0])
 
 
 def test_the_kernel_refuses_operands_of_different_shapes_and_unknown_approximations(library: Path) -> None:
     with pytest.raises(Exception, match=r"GeluGrad: dY must have X's shape"):
-        _session(library, 0).run(None, {"g": np.ones((2, 3), np.float32), "x": np.ones((3, 2), np.float32)})
+        _session(0).run(None, {"g": np.ones((2, 3), np.float32), "x": np.ones((3, 2), np.float32)})
     with pytest.raises(Exception, match=r"GeluGrad: approximate must be 0 \(exact\) or 1 \(tanh\), not 2"):
-        _session(library, 2)
+        _session(2)
 
 
 def test_only_float32_gradients_take_the_kernel() -> None:

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -26,26 +26,14 @@ from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.bench.vision import ConvNeXt
 from lightning_ort.engine.fx.layer_norm import LAYER_NORM_BACKWARD, layer_norm_backward
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
-from lightning_ort.engine.runtime import cpu_kernels
-from tests.helpers import assert_fp64_accuracy
+from tests.helpers import assert_fp64_accuracy, kernel_session
 
 aten = torch.ops.aten
 
 
-def _session(library: Path) -> ort.InferenceSession:
-    inputs, outputs = ["g", "x", "w", "m", "s"], ["dx", "dw", "db"]
-    graph = helper.make_graph(
-        [helper.make_node("LayerNormGrad", inputs, outputs, domain=DOMAIN)],
-        "layer_norm_grad",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in inputs],
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10
-    )
-    options = ort.SessionOptions()
-    cpu_kernels.register_kernels(options, model)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+def _session() -> ort.InferenceSession:
+    node = helper.make_node("LayerNormGrad", ["g", "x", "w", "m", "s"], ["dx", "dw", "db"], domain=DOMAIN)
+    return kernel_session(node, dict.fromkeys(node.input))
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 7), (200, 48), (2, 9, 256), (1, 33), (70, 3, 4)], ids=str)
@@ -59,7 +47,7 @@ def test_the_gradients_match_float64(library: Path, shape: tuple[int, ...]) -> N
     w, b = torch.rand(normalized, generator=generator) + 0.5, torch.randn(normalized, generator=generator)
     _, mean, rstd = aten.native_layer_norm(x, normalized, w, b, 1e-5)
     feeds = {"g": g, "x": x, "w": w, "m": mean, "s": rstd}
-    ours = _session(library).run(None, {name: value.numpy() for name, value in feeds.items()})
+    ours = _session().run(None, {name: value.numpy() for name, value in feeds.items()})
     x64, w64, b64 = (t.double() for t in (x, w, b))
     _, mean64, rstd64 = aten.native_layer_norm(x64, normalized, w64, b64, 1e-5)
     expected = aten.native_layer_norm_backward(g.double(), x64, normalized, mean64, rstd64, w64, b64, [True] * 3)
@@ -72,9 +60,9 @@ def test_the_kernel_refuses_statistics_or_a_scale_of_the_wrong_size(library: Pat
     x = np.ones((4, 6), np.float32)
     feeds = {"g": x, "x": x, "w": np.ones(6, np.float32), "m": np.zeros(4, np.float32), "s": np.ones(4, np.float32)}
     with pytest.raises(Exception, match=r"LayerNormGrad: mean and invstd must hold one value per row, 4"):
-        _session(library).run(None, {**feeds, "m": np.zeros(3, np.float32)})
+        _session().run(None, {**feeds, "m": np.zeros(3, np.float32)})
     with pytest.raises(Exception, match=r"LayerNormGrad: scale must hold X's normalized size, not 5 of 24 values"):
-        _session(library).run(None, {**feeds, "w": np.ones(5, np.float32)})
+        _session().run(None, {**feeds, "w": np.ones(5, np.float32)})
 
 
 def test_layer_norms_without_a_weight_or_in_float64_keep_pytorchs_decomposition() -> None:

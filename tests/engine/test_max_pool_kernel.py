@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 from torch import nn
 from torch.nn import functional as F
 
@@ -25,29 +25,14 @@ from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.bench.vision import BasicBlock
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
-from lightning_ort.engine.runtime import cpu_kernels
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_grads_close, kernel_session
 
 aten = torch.ops.aten
 
 
-def _grad_session(library: Path, window: dict[str, int], x_shape: list[int], grad_shape: list[int]) -> Any:
+def _grad_session(window: dict[str, int], x_shape: list[int], grad_shape: list[int]) -> ort.InferenceSession:
     node = helper.make_node("MaxPoolGrad", ["g", "x"], ["dx"], domain=DOMAIN, **window)
-    graph = helper.make_graph(
-        [node],
-        "max_pool_grad",
-        [
-            helper.make_tensor_value_info("g", TensorProto.FLOAT, grad_shape),
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
-        ],
-        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)],
-    )
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)], ir_version=10
-    )
-    options = ort.SessionOptions()
-    cpu_kernels.register_kernels(options, model)
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return kernel_session(node, {"g": grad_shape, "x": x_shape})
 
 
 @pytest.mark.parametrize(
@@ -79,7 +64,7 @@ def test_the_gradient_goes_where_pytorchs_kernel_sends_it_bit_for_bit(
         for part, pair in zip(("kernel", "stride", "pad", "dilation"), window, strict=True)
         for axis, value in zip("hw", pair, strict=True)
     }
-    session = _grad_session(library, attributes, list(x.shape), list(grad.shape))
+    session = _grad_session(attributes, list(x.shape), list(grad.shape))
     (actual,) = session.run(None, {"g": grad.numpy(), "x": x.numpy()})
     np.testing.assert_array_equal(actual, expected.numpy())
 
@@ -87,12 +72,12 @@ def test_the_gradient_goes_where_pytorchs_kernel_sends_it_bit_for_bit(
 def test_a_window_larger_than_the_padding_allows_is_refused(library: Path) -> None:
     window = dict(kernel_h=2, kernel_w=2, stride_h=1, stride_w=1, pad_h=2, pad_w=0, dilation_h=1, dilation_w=1)
     with pytest.raises(Exception, match="MaxPoolGrad: padding must be at most half the dilated kernel"):
-        _grad_session(library, window, [1, 1, 4, 4], [1, 1, 7, 3])
+        _grad_session(window, [1, 1, 4, 4], [1, 1, 7, 3])
 
 
 def test_a_gradient_with_more_positions_than_the_windows_is_refused(library: Path) -> None:
     window = dict(kernel_h=2, kernel_w=2, stride_h=2, stride_w=2, pad_h=0, pad_w=0, dilation_h=1, dilation_w=1)
-    session = _grad_session(library, window, [1, 1, 4, 4], [1, 1, 3, 2])
+    session = _grad_session(window, [1, 1, 4, 4], [1, 1, 3, 2])
     with pytest.raises(Exception, match="MaxPoolGrad: dY has more positions than X's windows"):
         session.run(None, {"g": np.ones((1, 1, 3, 2), np.float32), "x": np.ones((1, 1, 4, 4), np.float32)})
 

@@ -32,7 +32,7 @@ struct LayerNormGradWork {
   const float* invstd;
   float* grad_x;
   int64_t rows, size, rows_per_task;
-  std::vector<float>* partial;  // per task: D sums of dY * x^, then D sums of dY
+  float* partial;  // per task: D sums of dY * x^, then D sums of dY
 };
 
 // One row: its gradient, and its terms added to the task's column sums. The row's two sums are taken in kLanes
@@ -76,7 +76,7 @@ KERNEL_CLONES void row_grad(const float* __restrict g, const float* __restrict x
 
 void layer_norm_grad_task(void* data, size_t task) {
   const LayerNormGradWork& w = *static_cast<const LayerNormGradWork*>(data);
-  float* scale_sums = (*w.partial).data() + static_cast<int64_t>(task) * 2 * w.size;
+  float* scale_sums = w.partial + static_cast<int64_t>(task) * 2 * w.size;
   float* bias_sums = scale_sums + w.size;
   const int64_t first = static_cast<int64_t>(task) * w.rows_per_task;
   const int64_t last = std::min(first + w.rows_per_task, w.rows);
@@ -113,7 +113,7 @@ OrtStatus* layer_norm_grad_compute(void*, OrtKernelContext* context) {
   work.rows_per_task = (rows + tasks - 1) / tasks;
   const int64_t used = rows == 0 ? 0 : (rows + work.rows_per_task - 1) / work.rows_per_task;
   std::vector<float> partial(static_cast<size_t>(std::max<int64_t>(used, 1) * 2 * size), 0.0f);
-  work.partial = &partial;
+  work.partial = partial.data();
   if (used > 0) RETURN_IF_ERROR(parallel_for(context, layer_norm_grad_task, static_cast<size_t>(used), &work));
   for (int64_t i = 0; i < size; ++i) {
     double scale_total = 0.0, bias_total = 0.0;
