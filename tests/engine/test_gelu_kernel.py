@@ -39,8 +39,8 @@ def _session(approximate: int) -> ort.InferenceSession:
 def test_the_gradient_matches_float64_from_the_far_negative_tail_to_the_far_positive(
     library: Path, approximate: int, name: str
 ) -> None:
-    """Within 4e-7 absolute (PyTorch's own float32 gradient is off by up to 2.7e-7 for the exact form and 1.0e-6
-    for the tanh form here), so also deep in the negative tail, where Phi(x) is tiny and 1 - erf would lose it."""
+    """Within 4e-7 absolute, about PyTorch's own float32 kernel's error (the performance page compares them), so
+    also deep in the negative tail, where Phi(x) is tiny and 1 - erf would lose it."""
     generator = torch.Generator().manual_seed(0)
     x = torch.cat([torch.linspace(-20, 20, 200_001), torch.randn(50_000, generator=generator) * 3, torch.zeros(1)])
     g = torch.randn(x.shape, generator=generator)
