@@ -314,3 +314,5 @@ def test_a_net_with_strided_blocks_trains_like_eager_with_the_phase_form(library
     assert ops.count("Interleave2x2") == 2, "the 2x2 and the depthwise layers"
     assert ops.count("Interleave2x2Add") == 1, "the strided 3x3 layer, with its block's 1x1 projection"
     assert "ConvTranspose" not in ops and "Pad" not in ops
+    flips = sorted(helper.get_node_attr_value(n, "flip") for n in backward if n.op_type == "BlockWeight")
+    assert flips == [0, 0, 0, 1], "the two strided layers' and the projection's kernels; the stride-1 3x3's flipped"

@@ -447,7 +447,7 @@ def test_conv_net_trains_like_eager_on_nchwc_kernels(tmp_path: Path) -> None:
         nodes = onnx.load(str(tmp_path / f"m_training_{graph}.onnx")).graph.node
         assert any(n.domain == "com.microsoft.nchwc" and n.op_type == "Conv" for n in nodes), graph
     backward = onnx.load(str(tmp_path / "m_training_backward_part0.onnx")).graph.node
-    flipped = [n.name for n in backward if n.op_type == "Gather" and n.name.endswith("_nchwc_flipped")]
+    flipped = [n for n in backward if n.op_type == "BlockWeight" and helper.get_node_attr_value(n, "flip") == 1]
     assert len(flipped) == 2, "both stride-1 input gradients (16->32, 32->16) blocked from the forward weight"
 
 

@@ -70,7 +70,8 @@ class OnnxPass:
 
 
 def _nchwc_convolutions(model: onnx.ModelProto) -> int:
-    return use_nchwc_convolutions(model, nchwc_block_size())
+    kernels = any(opset.domain == DOMAIN for opset in model.opset_import)
+    return use_nchwc_convolutions(model, nchwc_block_size(), kernels=kernels)
 
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
@@ -716,7 +717,7 @@ _PLAIN_TRANSPOSED: dict[str, Any] = {"group": 1, "dilations": [1, 1], "pads": [0
 """The attributes of a ``ConvTranspose`` that :func:`_strided_projection` requires, at these values or absent."""
 
 
-def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
+def use_nchwc_convolutions(model: onnx.ModelProto, block: int, kernels: bool = False) -> int:
     """Run 2-D convolutions on ONNX Runtime's NCHWc kernels, their weights reordered in the graph; in place.
 
     A float32 ``Conv`` with a 4-d input and static channel counts that are multiples of ``block``
@@ -727,11 +728,14 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     convolution as one small product per channel), reorders included. The rest (other grouped convolutions, a
     first layer's 3 input channels) stays as it is. Returns the number of nodes rewritten.
 
-    The weights are reordered by ``ReorderInput`` nodes, MLAS's threaded channel blocking. A dense weight takes
-    two: the first blocks the input channels (``[O, I, kh, kw]`` to ``[O, I/B, kh, kw, Bi]``), the second, on
-    that viewed as ``[O/B, Bo, I/B * kh * kw * Bi, 1]``, blocks the output channels innermost (``OIHWBiBo``).
-    ONNX Runtime's ``Transpose`` does the same reorder in one node single-threaded, several times slower (see
-    the performance page). A depthwise weight ``[C, 1, kh, kw]``, viewed as ``[1, C, kh * kw, 1]``, takes one
+    In a graph that already uses lightning_ort's kernels (``kernels``: its session loads their library), a dense
+    weight is blocked by one ``ai.lightning_ort::BlockWeight`` node, one pass over it; the input gradient's
+    flipped kernel by one too (its ``flip`` form). Elsewhere the weights are reordered by ``ReorderInput`` nodes,
+    MLAS's threaded channel blocking. A dense weight takes two: the first blocks the input channels
+    (``[O, I, kh, kw]`` to ``[O, I/B, kh, kw, Bi]``), the second, on that viewed as
+    ``[O/B, Bo, I/B * kh * kw * Bi, 1]``, blocks the output channels innermost (``OIHWBiBo``). ONNX Runtime's
+    ``Transpose`` does the same reorder in one node single-threaded, several times slower (see the performance
+    page). A depthwise weight ``[C, 1, kh, kw]``, viewed as ``[1, C, kh * kw, 1]``, takes one
     (``OIHWBo``). The depthwise convolutions of the backward (a depthwise weight gradient is one, whose kernel is
     the output gradient) take the same path. The input gradient's kernel, the forward weight transposed and its
     taps reversed (:func:`_flipped_kernel`), is blocked from the forward weight directly, without the transpose
@@ -775,7 +779,11 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
         flipped = _flipped_kernel(node.input[1], weight_shape, producers, initializers_by_name, values)
         if flipped is not None:
             source, chain = flipped
-            nodes += _flipped_nchwc(node, source, weight_shape, block, prefix, initializers)
+            if kernels:
+                nodes += [_block_weight(source, f"{prefix}_weight", block, flip=True)]
+                nodes += _blocked_conv(node, f"{prefix}_weight", prefix, weight_shape)
+            else:
+                nodes += _flipped_nchwc(node, source, weight_shape, block, prefix, initializers)
             replaced += chain
             rewritten += 1
             continue
@@ -784,12 +792,12 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
             source, source_shape, taps, chain = selection
             if source not in blocked_sources:
                 blocked_sources.add(source)
-                nodes += _dense_blocked(source, source_shape, block, f"{source}_nchwc", initializers)
+                nodes += _dense_blocked(source, source_shape, block, f"{source}_nchwc", initializers, kernels)
             nodes += _selected_taps(node, source, source_shape, taps, weight_shape, block, prefix, initializers)
             replaced += chain
             rewritten += 1
             continue
-        nodes += _dense_blocked(node.input[1], weight_shape, block, prefix, initializers)
+        nodes += _dense_blocked(node.input[1], weight_shape, block, prefix, initializers, kernels)
         nodes += _blocked_conv(node, f"{prefix}_weight", prefix, weight_shape)
         rewritten += 1
     if rewritten:
@@ -800,12 +808,25 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int) -> int:
     return rewritten
 
 
+def _block_weight(weight: str, blocked: str, block: int, flip: bool) -> onnx.NodeProto:
+    """``BlockWeight`` of ``weight`` into ``blocked``: its ``OIHWBiBo`` layout, or with ``flip`` that of its
+    input-gradient kernel (transposed, taps reversed), in one pass (``engine/runtime/conv_kernels.cpp``)."""
+    return helper.make_node("BlockWeight", [weight], [blocked], blocked, domain=DOMAIN, block=block, flip=int(flip))
+
+
 def _dense_blocked(
-    weight: str, weight_shape: list[int], block: int, prefix: str, initializers: list[onnx.TensorProto]
+    weight: str,
+    weight_shape: list[int],
+    block: int,
+    prefix: str,
+    initializers: list[onnx.TensorProto],
+    kernels: bool,
 ) -> list[onnx.NodeProto]:
     """The nodes that block the dense weight ``weight`` ``[O, I, kh, kw]`` into ``{prefix}_weight``, its
-    ``OIHWBiBo`` layout: ``ReorderInput`` blocks the input channels, a second on a ``[O/B, Bo, rest, 1]`` view
-    the output channels innermost."""
+    ``OIHWBiBo`` layout: one ``BlockWeight`` with ``kernels``, else ``ReorderInput`` blocks the input channels
+    and a second on a ``[O/B, Bo, rest, 1]`` view the output channels innermost."""
+    if kernels:
+        return [_block_weight(weight, f"{prefix}_weight", block, flip=False)]
     out_channels, in_channels, *kernel = weight_shape
     split_shape, blocked_shape = f"{prefix}_split_shape", f"{prefix}_weight_shape"
     inputs_blocked, split_weight, ordered_weight = f"{prefix}_in_blocked", f"{prefix}_split", f"{prefix}_ordered"

@@ -1,4 +1,5 @@
-// ONNX Runtime CPU kernel that weaves the four phases of a stride-2 convolution's input gradient into the image.
+// ONNX Runtime CPU kernels for convolutions: the weaving of a stride-2 convolution's input gradient, and the
+// blocking of a weight into the layout of ONNX Runtime's NCHWc convolution.
 //
 //   ai.lightning_ort::Interleave2x2(P00, P01, P10, P11) -> Y
 //       attributes: height, width (ints), Y's image size.
@@ -11,6 +12,16 @@
 //       a strided 1x1 projection that reads the same tensor as the 3x3 convolution whose phases these are, which
 //       lands on exactly those positions.
 //
+//   ai.lightning_ort::BlockWeight(W) -> Y
+//       attributes: block (int) B, flip (int, 0 or 1).
+//       W is a dense convolution's weight [O, I, kh, kw] float32, O and I multiples of B; T = kh * kw taps.
+//       flip = 0: Y is W in the OIHWBiBo layout that com.microsoft.nchwc.Conv reads, shaped [O, I, kh, kw]:
+//       Y viewed as [O/B, I/B, T, B, B] holds Y[a, b, t, x, y] = W[a*B + y, b*B + x, t].
+//       flip = 1: Y is that layout of W's input-gradient kernel K[i, o, t] = W[o, i, T-1-t] (transposed, taps
+//       reversed), shaped [I, O, kh, kw]: Y[a, b, t, x, y] = W[b*B + x, a*B + y, T-1-t].
+//       Each B x B x T tile is read from B contiguous rows of W and written once, in one pass over the weight;
+//       ONNX Runtime's ReorderInput takes two passes for it (input then output channels), three with the flip.
+//
 // The four phases are the stride-1 convolutions that compute the input gradient of a stride-2 convolution
 // (lightning_ort/engine/fx/conv_phases.py); ONNX Runtime's DepthToSpace, which could weave them once
 // concatenated, runs as a generic six-axis transpose, several times slower than this single pass. Work is split by
@@ -22,6 +33,13 @@
 #include <vector>
 
 #include "ort_custom_ops.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define X86_GATHERS 1
+#else
+#define X86_GATHERS 0
+#endif
 
 namespace lightning_ort_kernels {
 namespace {
@@ -117,12 +135,135 @@ OrtStatus* create_interleave(const OrtCustomOp*, const void*, const OrtKernelInf
 
 void destroy_interleave(void* kernel) { delete static_cast<ImageSize*>(kernel); }
 
+struct Blocking {
+  int64_t block, flip;
+};
+
+struct BlockWork {
+  const float* weight;
+  float* out;
+  int64_t block, flip, taps, rows, cols;  // the weight is [rows, cols, taps]; tiles are [rows/B, cols/B] or flipped
+  int64_t tiles, tiles_per_task;
+  bool gathers;  // this CPU has the vector gathers of the block: AVX-512 for 16, AVX2 for 8
+};
+
+// Y[a, c, t, x, y] = first[base(x, t) + y * step], where `first` is the tile's first source element:
+//   forward: W[a*B + y, c*B + x, t]; base = x * taps + t, step = one row of W (I * taps);
+//   flip:    W[c*B + x, a*B + y, T-1-t]; base = x * (I * taps) + T-1-t, step = taps.
+// Each run of B outputs over y is one gather (AVX-512 for B = 16, AVX2 for B = 8, else scalar loads): the rows it
+// reads (B of them, B * taps floats each) stay in L1 across the tile, and the output is written in whole runs.
+struct Tile {
+  const float* first;
+  float* out;
+  int64_t base_x, base_t, offset, step;  // base(x, t) = x * base_x + t * base_t + offset
+};
+
+Tile tile_of(const BlockWork& w, int64_t tile) {
+  const int64_t b = w.block, taps = w.taps, row = w.cols * taps;
+  const int64_t a = tile / (w.flip ? w.rows / b : w.cols / b), c = tile % (w.flip ? w.rows / b : w.cols / b);
+  if (!w.flip) return {w.weight + (a * b * w.cols + c * b) * taps, w.out + tile * b * b * taps, taps, 1, 0, row};
+  return {w.weight + (c * b * w.cols + a * b) * taps, w.out + tile * b * b * taps, row, -1, taps - 1, taps};
+}
+
+#if X86_GATHERS
+__attribute__((target("avx512f"))) void block_tile_16(const Tile& tile, int64_t taps) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(tile.step)));
+  for (int64_t t = 0; t < taps; ++t)
+    for (int64_t x = 0; x < 16; ++x)
+      _mm512_storeu_ps(tile.out + (t * 16 + x) * 16,
+                       _mm512_i32gather_ps(index, tile.first + x * tile.base_x + t * tile.base_t + tile.offset, 4));
+}
+
+__attribute__((target("avx2"))) void block_tile_8(const Tile& tile, int64_t taps) {
+  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(static_cast<int>(tile.step)));
+  for (int64_t t = 0; t < taps; ++t)
+    for (int64_t x = 0; x < 8; ++x)
+      _mm256_storeu_ps(tile.out + (t * 8 + x) * 8,
+                       _mm256_i32gather_ps(tile.first + x * tile.base_x + t * tile.base_t + tile.offset, index, 4));
+}
+#endif
+
+void block_tile(const Tile& tile, int64_t b, int64_t taps) {
+  for (int64_t t = 0; t < taps; ++t)
+    for (int64_t x = 0; x < b; ++x) {
+      const float* source = tile.first + x * tile.base_x + t * tile.base_t + tile.offset;
+      float* line = tile.out + (t * b + x) * b;
+      for (int64_t y = 0; y < b; ++y) line[y] = source[y * tile.step];
+    }
+}
+
+void block_tiles(void* data, size_t task) {
+  const BlockWork& w = *static_cast<const BlockWork*>(data);
+  const int64_t first = static_cast<int64_t>(task) * w.tiles_per_task;
+  const int64_t last = std::min(first + w.tiles_per_task, w.tiles);
+  for (int64_t index = first; index < last; ++index) {
+    const Tile tile = tile_of(w, index);
+#if X86_GATHERS
+    if (w.block == 16 && w.gathers) {
+      block_tile_16(tile, w.taps);
+      continue;
+    }
+    if (w.block == 8 && w.gathers) {
+      block_tile_8(tile, w.taps);
+      continue;
+    }
+#endif
+    block_tile(tile, w.block, w.taps);
+  }
+}
+
+OrtStatus* block_weight_compute(void* kernel, OrtKernelContext* context) {
+  const Blocking& blocking = *static_cast<const Blocking*>(kernel);
+  Tensor weight;
+  RETURN_IF_ERROR(read_input(context, 0, &weight));
+  const int64_t b = blocking.block;
+  if (weight.rank != 4 || weight.dims[0] % b != 0 || weight.dims[1] % b != 0)
+    return api->error(kInvalidArgument, "BlockWeight: W must be [O, I, kh, kw] with O and I multiples of block " +
+                                            std::to_string(b));
+  BlockWork work{};
+  work.weight = weight.data;
+  work.block = b;
+  work.flip = blocking.flip;
+  work.rows = weight.dims[0];
+  work.cols = weight.dims[1];
+  work.taps = weight.dims[2] * weight.dims[3];
+  const int64_t dims[4] = {blocking.flip ? work.cols : work.rows, blocking.flip ? work.rows : work.cols,
+                           weight.dims[2], weight.dims[3]};
+  RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
+  work.tiles = (work.rows / b) * (work.cols / b);
+#if X86_GATHERS
+  work.gathers = (b == 16 && __builtin_cpu_supports("avx512f")) || (b == 8 && __builtin_cpu_supports("avx2"));
+#endif
+  if (work.rows * work.cols * work.taps > INT32_MAX)
+    return api->error(kInvalidArgument, "BlockWeight: W has more than 2^31 - 1 elements");
+  if (work.tiles == 0 || work.taps == 0) return nullptr;
+  // About 64 tasks for the thread pool, whole tiles each.
+  work.tiles_per_task = std::max<int64_t>(1, work.tiles / 64);
+  const int64_t tasks = (work.tiles + work.tiles_per_task - 1) / work.tiles_per_task;
+  return parallel_for(context, block_tiles, static_cast<size_t>(tasks), &work);
+}
+
+OrtStatus* create_block_weight(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
+  Blocking blocking{};
+  RETURN_IF_ERROR(read_int(info, "block", &blocking.block));
+  RETURN_IF_ERROR(read_int(info, "flip", &blocking.flip));
+  if (blocking.block < 1 || (blocking.flip != 0 && blocking.flip != 1))
+    return api->error(kInvalidArgument, "BlockWeight: block must be >= 1 and flip 0 or 1");
+  *kernel = new Blocking(blocking);
+  return nullptr;
+}
+
+void destroy_block_weight(void* kernel) { delete static_cast<Blocking*>(kernel); }
+
 }  // namespace
 
 const std::vector<OpDefinition>& conv_ops() {
   static const std::vector<OpDefinition> ops = {
       make_op("Interleave2x2", 4, 1, create_interleave, interleave_compute<false>, destroy_interleave),
       make_op("Interleave2x2Add", 5, 1, create_interleave, interleave_compute<true>, destroy_interleave),
+      make_op("BlockWeight", 1, 1, create_block_weight, block_weight_compute, destroy_block_weight),
   };
   return ops;
 }

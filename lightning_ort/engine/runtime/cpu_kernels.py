@@ -1,6 +1,6 @@
 """lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``), the
-max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient
-(``conv_kernels.cpp``), GELU's gradient (``activation_kernels.cpp``) and layer norm's
+max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient and
+the blocking of convolution weights for ONNX Runtime's NCHWc kernels (``conv_kernels.cpp``), GELU's gradient (``activation_kernels.cpp``) and layer norm's
 (``layer_norm_kernels.cpp``), over the part of ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and
 registered by ``register_kernels.cpp``.
 
