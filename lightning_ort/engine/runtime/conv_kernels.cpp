@@ -36,9 +36,9 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define X86_GATHERS 1
+#define X86_VECTORS 1
 #else
-#define X86_GATHERS 0
+#define X86_VECTORS 0
 #endif
 
 namespace lightning_ort_kernels {
@@ -144,14 +144,16 @@ struct BlockWork {
   float* out;
   int64_t block, flip, taps, rows, cols;  // the weight is [rows, cols, taps]; tiles are [rows/B, cols/B] or flipped
   int64_t tiles, tiles_per_task;
-  bool gathers;  // this CPU has the vector gathers of the block: AVX-512 for 16, AVX2 for 8
+  bool vectors;  // this CPU has the vector path of the block: AVX-512 for 16, AVX2 for 8
 };
 
 // Y[a, c, t, x, y] = first[base(x, t) + y * step], where `first` is the tile's first source element:
 //   forward: W[a*B + y, c*B + x, t]; base = x * taps + t, step = one row of W (I * taps);
 //   flip:    W[c*B + x, a*B + y, T-1-t]; base = x * (I * taps) + T-1-t, step = taps.
-// Each run of B outputs over y is one gather (AVX-512 for B = 16, AVX2 for B = 8, else scalar loads): the rows it
-// reads (B of them, B * taps floats each) stay in L1 across the tile, and the output is written in whole runs.
+// With AVX-512 and B = 16 a tile is a series of 16x16 register transposes: forward, of 16 rows of W (16 * taps
+// contiguous floats each) 16 columns at a time; flip, for each x, of the [16, taps] block of W's row x (16 taps at
+// a time). With AVX2 and B = 8 each run of 8 outputs is one gather; elsewhere scalar loads. The rows read stay in
+// L1 across the tile, and the output is written in whole runs of B.
 struct Tile {
   const float* first;
   float* out;
@@ -165,14 +167,60 @@ Tile tile_of(const BlockWork& w, int64_t tile) {
   return {w.weight + (c * b * w.cols + a * b) * taps, w.out + tile * b * b * taps, row, -1, taps - 1, taps};
 }
 
-#if X86_GATHERS
-__attribute__((target("avx512f"))) void block_tile_16(const Tile& tile, int64_t taps) {
-  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(static_cast<int>(tile.step)));
-  for (int64_t t = 0; t < taps; ++t)
-    for (int64_t x = 0; x < 16; ++x)
-      _mm512_storeu_ps(tile.out + (t * 16 + x) * 16,
-                       _mm512_i32gather_ps(index, tile.first + x * tile.base_x + t * tile.base_t + tile.offset, 4));
+#if X86_VECTORS
+// r[i] becomes column i of the 16x16 matrix whose rows were r[0..15]: pairs of rows interleaved by floats, then
+// by float pairs (each 128-bit lane then holds a 4x4 square transposed), then the lanes gathered across registers.
+__attribute__((target("avx512f"))) inline void transpose_16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m512 u[16];
+  for (int g = 0; g < 4; ++g) {
+    const __m512d p0 = _mm512_castps_pd(t[4 * g]), p1 = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d p2 = _mm512_castps_pd(t[4 * g + 2]), p3 = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));      // lane L: column 4L, rows 4g..4g+3
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));  // column 4L + 1
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));  // column 4L + 2
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));  // column 4L + 3
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512 low01 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44);
+    const __m512 high01 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+    const __m512 low23 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512 high23 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+    r[4 + m] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+    r[8 + m] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+    r[12 + m] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+  }
+}
+
+__attribute__((target("avx512f"))) void block_tile_16(const Tile& tile, int64_t taps, bool flip) {
+  __m512 r[16];
+  if (!flip) {
+    // Column j = x * taps + t of the 16 rows is Y[., ., t, x, 0..15].
+    for (int64_t j0 = 0; j0 < 16 * taps; j0 += 16) {
+      for (int64_t y = 0; y < 16; ++y) r[y] = _mm512_loadu_ps(tile.first + y * tile.step + j0);
+      transpose_16x16(r);
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t x = (j0 + j) / taps, t = (j0 + j) % taps;
+        _mm512_storeu_ps(tile.out + (t * 16 + x) * 16, r[j]);
+      }
+    }
+    return;
+  }
+  // Row x of W holds [16 (y), taps] from `first + x * base_x`; its column s is Y[., ., T-1-s, x, 0..15].
+  for (int64_t x = 0; x < 16; ++x)
+    for (int64_t s0 = 0; s0 < taps; s0 += 16) {
+      const int64_t count = std::min<int64_t>(16, taps - s0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+      const float* row = tile.first + x * tile.base_x + s0;
+      for (int64_t y = 0; y < 16; ++y) r[y] = _mm512_maskz_loadu_ps(mask, row + y * taps);
+      transpose_16x16(r);
+      for (int64_t k = 0; k < count; ++k) _mm512_storeu_ps(tile.out + ((taps - 1 - s0 - k) * 16 + x) * 16, r[k]);
+    }
 }
 
 __attribute__((target("avx2"))) void block_tile_8(const Tile& tile, int64_t taps) {
@@ -200,12 +248,12 @@ void block_tiles(void* data, size_t task) {
   const int64_t last = std::min(first + w.tiles_per_task, w.tiles);
   for (int64_t index = first; index < last; ++index) {
     const Tile tile = tile_of(w, index);
-#if X86_GATHERS
-    if (w.block == 16 && w.gathers) {
-      block_tile_16(tile, w.taps);
+#if X86_VECTORS
+    if (w.block == 16 && w.vectors) {
+      block_tile_16(tile, w.taps, w.flip);
       continue;
     }
-    if (w.block == 8 && w.gathers) {
+    if (w.block == 8 && w.vectors) {
       block_tile_8(tile, w.taps);
       continue;
     }
@@ -233,10 +281,10 @@ OrtStatus* block_weight_compute(void* kernel, OrtKernelContext* context) {
                            weight.dims[2], weight.dims[3]};
   RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
   work.tiles = (work.rows / b) * (work.cols / b);
-#if X86_GATHERS
-  work.gathers = (b == 16 && __builtin_cpu_supports("avx512f")) || (b == 8 && __builtin_cpu_supports("avx2"));
+#if X86_VECTORS
+  work.vectors = (b == 16 && __builtin_cpu_supports("avx512f")) || (b == 8 && __builtin_cpu_supports("avx2"));
 #endif
-  if (work.rows * work.cols * work.taps > INT32_MAX)
+  if (work.rows * work.cols * work.taps > INT32_MAX)  // the AVX2 gathers' indices are 32-bit
     return api->error(kInvalidArgument, "BlockWeight: W has more than 2^31 - 1 elements");
   if (work.tiles == 0 || work.taps == 0) return nullptr;
   // About 64 tasks for the thread pool, whole tiles each.
