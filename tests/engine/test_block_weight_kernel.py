@@ -36,10 +36,11 @@ def _blocked(weight: np.ndarray, block: int, flip: bool) -> np.ndarray:
         ((32, 80, 1, 1), 16),
         ((32, 16, 5, 5), 16),
         ((16, 32, 7, 7), 16),
+        ((16, 24, 3, 3), 8),
         ((16, 8, 5, 5), 8),
         ((8, 24, 7, 3), 4),
     ],
-    ids=["one-tile", "3x2-3x3", "2x5-1x1", "2x1-5x5", "1x2-7x7", "block-8", "block-4"],
+    ids=["one-tile", "3x2-3x3", "2x5-1x1", "2x1-5x5", "1x2-7x7", "block-8-3x3", "block-8-5x5", "block-4"],
 )
 def test_block_weight_lays_out_every_element_as_the_reference(
     library: Path, shape: tuple[int, ...], block: int, flip: bool

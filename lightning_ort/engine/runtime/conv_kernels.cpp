@@ -152,7 +152,7 @@ struct BlockWork {
 //   flip:    W[c*B + x, a*B + y, T-1-t]; base = x * (I * taps) + T-1-t, step = taps.
 // With AVX-512 and B = 16 a tile is a series of 16x16 register transposes: forward, of 16 rows of W (16 * taps
 // contiguous floats each) 16 columns at a time; flip, for each x, of the [16, taps] block of W's row x (16 taps at
-// a time). With AVX2 and B = 8 each run of 8 outputs is one gather; elsewhere scalar loads. The rows read stay in
+// a time). With AVX2 and B = 8 the same with 8x8 transposes; elsewhere scalar loads. The rows read stay in
 // L1 across the tile, and the output is written in whole runs of B.
 struct Tile {
   const float* first;
@@ -223,13 +223,50 @@ __attribute__((target("avx512f"))) void block_tile_16(const Tile& tile, int64_t 
     }
 }
 
-__attribute__((target("avx2"))) void block_tile_8(const Tile& tile, int64_t taps) {
-  const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(static_cast<int>(tile.step)));
-  for (int64_t t = 0; t < taps; ++t)
-    for (int64_t x = 0; x < 8; ++x)
-      _mm256_storeu_ps(tile.out + (t * 8 + x) * 8,
-                       _mm256_i32gather_ps(tile.first + x * tile.base_x + t * tile.base_t + tile.offset, index, 4));
+// The 8x8 form of transpose_16x16: pairs of rows interleaved by floats, then by float pairs within 128-bit lanes,
+// then the lanes of rows 0-3 and 4-7 joined.
+__attribute__((target("avx2"))) inline void transpose_8x8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 u[8];
+  for (int g = 0; g < 2; ++g) {
+    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);          // lane L: column 4L, rows 4g..4g+3
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);      // column 4L + 1
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);  // column 4L + 2
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);  // column 4L + 3
+  }
+  for (int m = 0; m < 4; ++m) {
+    r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+    r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
+  }
+}
+
+__attribute__((target("avx2"))) void block_tile_8(const Tile& tile, int64_t taps, bool flip) {
+  __m256 r[8];
+  if (!flip) {
+    for (int64_t j0 = 0; j0 < 8 * taps; j0 += 8) {
+      for (int64_t y = 0; y < 8; ++y) r[y] = _mm256_loadu_ps(tile.first + y * tile.step + j0);
+      transpose_8x8(r);
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t x = (j0 + j) / taps, t = (j0 + j) % taps;
+        _mm256_storeu_ps(tile.out + (t * 8 + x) * 8, r[j]);
+      }
+    }
+    return;
+  }
+  for (int64_t x = 0; x < 8; ++x)
+    for (int64_t s0 = 0; s0 < taps; s0 += 8) {
+      const int64_t count = std::min<int64_t>(8, taps - s0);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const float* row = tile.first + x * tile.base_x + s0;
+      for (int64_t y = 0; y < 8; ++y) r[y] = _mm256_maskload_ps(row + y * taps, mask);
+      transpose_8x8(r);
+      for (int64_t k = 0; k < count; ++k) _mm256_storeu_ps(tile.out + ((taps - 1 - s0 - k) * 8 + x) * 8, r[k]);
+    }
 }
 #endif
 
@@ -254,7 +291,7 @@ void block_tiles(void* data, size_t task) {
       continue;
     }
     if (w.block == 8 && w.vectors) {
-      block_tile_8(tile, w.taps);
+      block_tile_8(tile, w.taps, w.flip);
       continue;
     }
 #endif
@@ -284,8 +321,6 @@ OrtStatus* block_weight_compute(void* kernel, OrtKernelContext* context) {
 #if X86_VECTORS
   work.vectors = (b == 16 && __builtin_cpu_supports("avx512f")) || (b == 8 && __builtin_cpu_supports("avx2"));
 #endif
-  if (work.rows * work.cols * work.taps > INT32_MAX)  // the AVX2 gathers' indices are 32-bit
-    return api->error(kInvalidArgument, "BlockWeight: W has more than 2^31 - 1 elements");
   if (work.tiles == 0 || work.taps == 0) return nullptr;
   // About 64 tasks for the thread pool, whole tiles each.
   work.tiles_per_task = std::max<int64_t>(1, work.tiles / 64);
