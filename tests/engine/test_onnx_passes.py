@@ -22,6 +22,7 @@ from lightning_ort.engine.onnx.passes import (
     compute_cuda_bfloat16_gaps_in_float,
     cuda_host_nodes,
     dequantize_scaled_masks,
+    fold_channels_last_transposes,
     fuse_transposed_operands,
     merge_slices,
     nchwc_block_size,
@@ -825,3 +826,38 @@ def test_bfloat16_nodes_without_a_cuda_kernel_compute_in_float_and_round_once() 
     assert torch.equal(results["mean"], x.float().mean(1, keepdim=True).bfloat16())
     assert torch.equal(results["big"], x > y)
     torch.testing.assert_close(results["logp"], torch.log_softmax(y, -1))
+
+
+def _channels_last_model(saved: bool) -> onnx.ModelProto:
+    """An NCHWc convolution's output transposed to channels-last, and a channels-last tensor transposed back for
+    another NCHWc convolution (ConvNeXt's layer norms between depthwise convolutions); with ``saved``, the
+    first convolution's NCHW output is also a graph output."""
+    nchwc = "com.microsoft.nchwc"
+    nodes = [
+        helper.make_node("ReorderInput", ["x"], ["xb"], domain=nchwc),
+        helper.make_node("ReorderOutput", ["xb"], ["y"], domain=nchwc, channels=32),
+        helper.make_node("Transpose", ["y"], ["y_last"], perm=[0, 2, 3, 1]),
+        helper.make_node("Relu", ["y_last"], ["z_last"]),
+        helper.make_node("Transpose", ["z_last"], ["z"], perm=[0, 3, 1, 2]),
+        helper.make_node("ReorderInput", ["z"], ["zb"], domain=nchwc),
+        helper.make_node("ReorderOutput", ["zb"], ["out"], domain=nchwc, channels=32),
+    ]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ["out", *(["y"] * saved)]]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 32, 5, 6])], outputs
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(nchwc, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+@needs_nchwc
+@pytest.mark.parametrize("saved", [False, True], ids=["folded", "output-kept"])
+def test_channels_last_transposes_fold_into_nchwc_reorders(saved: bool) -> None:
+    model = _channels_last_model(saved)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 32, 5, 6), dtype=np.float32)}
+    expected = _run_all(model, feeds)
+    assert fold_channels_last_transposes(model) == (1 if saved else 2)
+    transposes = [list(n.input) for n in model.graph.node if n.op_type == "Transpose"]
+    assert transposes == ([["y"]] if saved else []), "a ReorderOutput another node reads keeps its NCHW output"
+    for ours, theirs in zip(_run_all(model, feeds), expected, strict=True):
+        np.testing.assert_array_equal(ours, theirs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,15 +13,18 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import helper
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import lightning_ort.engine.runtime.session as session_module
-from lightning_ort import ORTModule, SessionSettings
+from lightning_ort import DebugOptions, ORTModule, SessionSettings
+from lightning_ort.bench.vision import ConvNeXt
 from lightning_ort.engine.fx.dynamic import evaluate
 from lightning_ort.engine.fx.layout import OutputLayout, PassedInput, ReshapedOutput, normalise_outputs
 from lightning_ort.engine.fx.noise import Noise
 from lightning_ort.engine.onnx.constant_outputs import constant_output_positions, split_constant_outputs
 from lightning_ort.engine.onnx.export import ExportedGraph
+from lightning_ort.engine.onnx.passes import nchwc_block_size
 from tests.zoo import MLP
 from tests.zoo.features import CausalLM
 
@@ -280,6 +284,30 @@ def test_permuted_views_are_saved_unpermuted() -> None:
     only_saved = [n.output[0] for n in graph.node if n.op_type == "Transpose" and n.output[0] in saved - consumed]
     assert not only_saved, only_saved
     _assert_grads_match(wrapped, eager)
+
+
+def test_permuted_views_the_forward_computes_anyway_stay_saved(tmp_path: Path) -> None:
+    # ConvNeXt's blocks permute each depthwise convolution's output to channels-last for a layer norm. The
+    # forward graph writes that permuted tensor anyway, so it is saved as it is: the backward graph reads it
+    # without a transpose, and the forward's transpose folds into the convolution's NCHWc reorder.
+    torch.manual_seed(0)
+    eager = ConvNeXt(widths=(16, 32), depths=(1, 1), classes=5)
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug)
+    x = torch.randn(2, 3, 32, 32)
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    _assert_grads_match(wrapped, eager)
+    for path in [path for path in tmp_path.glob("m_training_backward*.onnx") if "optimized" not in path.name]:
+        backward = onnx.load(str(path)).graph
+        inputs = {value.name for value in backward.input}
+        transposes = [n for n in backward.node if n.op_type == "Transpose" and n.input[0] in inputs]
+        to_channels_last = [n.name for n in transposes if helper.get_node_attr_value(n, "perm") == [0, 2, 3, 1]]
+        assert not to_channels_last, (path.name, to_channels_last)
+    if nchwc_block_size() > 1:
+        forward = onnx.load(str(tmp_path / "m_training_forward.onnx")).graph
+        reordered = {n.output[0] for n in forward.node if n.op_type == "ReorderOutput"}
+        assert not [n.name for n in forward.node if n.op_type == "Transpose" and n.input[0] in reordered]
 
 
 def test_outputs_are_freed_by_reference_counting_and_gradients_taken_without_copies(

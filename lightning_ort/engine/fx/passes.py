@@ -191,9 +191,12 @@ def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     the backward graph, the transpose folds into the product that reads it (``FusedMatMul(transB=1)``, see
     :mod:`lightning_ort.engine.onnx.passes`) or stays one copy, made when it is needed.
 
-    Only chains of ``permute``/``view`` with constant arguments are moved. The forward graph keeps its number
-    of outputs (AOTAutograd counts them); a moved output's backward placeholder receives the base tensor.
-    Returns the number of saved tensors moved.
+    Only chains of ``permute``/``view`` with constant arguments are moved, and only where the forward graph does
+    not compute the permuted tensor anyway: a view that an op other than a view, a copy or a matrix product
+    reads in the forward (ConvNeXt's channels-last activations, read by a layer norm) is written there in any
+    case, and saving it spares the backward graph a transpose. The forward graph keeps its number of outputs
+    (AOTAutograd counts them); a moved output's backward placeholder receives the base tensor. Returns the
+    number of saved tensors moved.
     """
     returned = forward.graph.output_node().args[0]
     assert isinstance(returned, (list, tuple)), returned
@@ -204,6 +207,8 @@ def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     for index in range(saved_from, len(outputs)):
         value = outputs[index]
         chain = _permuting_view_chain(value) if isinstance(value, torch.fx.Node) else []
+        if chain and _computed_in_forward(chain[-1]):
+            continue
         placeholder = placeholders.get(value.name) if chain else None
         base = chain[0].args[0] if chain else None
         if placeholder is None or not isinstance(base, torch.fx.Node):
@@ -250,6 +255,12 @@ def _permuting_view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     return chain[::-1]
 
 
+def _computed_in_forward(view: torch.fx.Node) -> bool:
+    """Whether an op other than a view, a copy or a matrix product (whose transposed operands ONNX Runtime
+    reads in place) reads ``view``: the forward graph then writes the permuted tensor in any case."""
+    return any(user.op == "call_function" and user.target not in _VIEW_READERS for user in view.users)
+
+
 def _reads_nodes(args: tuple[object, ...]) -> bool:
     """Whether ``args`` contain graph values (symbolic sizes), which the backward graph does not have."""
     found: list[torch.fx.Node] = []
@@ -259,6 +270,14 @@ def _reads_nodes(args: tuple[object, ...]) -> bool:
 
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
 _VIEWS = _PERMUTES | {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_VIEW_READERS = _VIEWS | {
+    aten.expand.default,
+    aten.clone.default,
+    aten.mm.default,
+    aten.bmm.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+}
 
 
 def placeholders_first(graph: torch.fx.Graph) -> list[torch.fx.Node]:

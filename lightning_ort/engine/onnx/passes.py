@@ -22,6 +22,10 @@
   NCHWc block runs ONNX Runtime's blocked-layout kernel (``com.microsoft.nchwc.Conv``), its weight reordered
   inside the graph. ONNX Runtime only makes that rewrite itself for weights that are constant initializers,
   and ours are graph inputs that change every step; its plain ``Conv`` multiplies one image at a time.
+* :func:`fold_channels_last_transposes` (CPU graphs): a ``Transpose`` to channels-last of an NCHWc
+  convolution's output becomes the ``ReorderOutput``'s own ``channels_last`` form, and one from channels-last
+  that only NCHWc convolutions read becomes their ``ReorderInput``'s (ConvNeXt's layer norms run channels-last
+  between depthwise convolutions): one pass over the tensor instead of two.
 * :func:`dequantize_scaled_masks` (CPU graphs): dropout's one-byte keep mask scaled to floats by a ``Cast`` and
   a product becomes one ``DequantizeLinear``.
 * :func:`sum_rows_by_product` (CPU graphs): a ``ReduceSum`` over leading axes (bias and normalisation-weight
@@ -808,6 +812,65 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int, kernels: bool = F
     return rewritten
 
 
+def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
+    """Fold channels-last ``Transpose`` nodes into the NCHWc reorders next to them, in place.
+
+    ``Transpose(perm=[0, 2, 3, 1])`` of a ``ReorderOutput`` that nothing else reads becomes that
+    ``ReorderOutput`` with ``channels_last=1``; ``Transpose(perm=[0, 3, 1, 2])`` that only ``ReorderInput``
+    nodes read is dropped and they take its input with ``channels_last=1``. Returns the number of transposes
+    folded.
+
+    Example:
+        >>> nodes = [
+        ...     helper.make_node("ReorderOutput", ["b"], ["y"], domain=_NCHWC, channels=16),
+        ...     helper.make_node("Transpose", ["y"], ["z"], perm=[0, 2, 3, 1]),
+        ... ]
+        >>> model = helper.make_model(helper.make_graph(nodes, "g", [], []))
+        >>> fold_channels_last_transposes(model), [(n.op_type, list(n.output)) for n in model.graph.node]
+        (1, [('ReorderOutput', ['z'])])
+    """
+    graph = model.graph
+    reads = _read_counts(list(graph.node), graph)
+    producers = {output: node for node in graph.node for output in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    dropped: set[int] = set()
+    for node in graph.node:
+        if node.op_type != "Transpose" or not _in_default_domain(node):
+            continue
+        perm = _attributes(node).get("perm")
+        source = producers.get(node.input[0])
+        if perm == [0, 2, 3, 1] and _is_nchwc(source, "ReorderOutput") and reads[node.input[0]] == 1:
+            assert source is not None
+            if _attributes(source).get("channels_last", 0):
+                continue
+            source.output[0] = node.output[0]
+            source.attribute.append(helper.make_attribute("channels_last", 1))
+            dropped.add(id(node))
+        elif perm == [0, 3, 1, 2]:
+            reorders = readers.get(node.output[0], [])
+            if not reorders or reads[node.output[0]] != len(reorders):
+                continue
+            if not all(_is_nchwc(r, "ReorderInput") and not _attributes(r).get("channels_last", 0) for r in reorders):
+                continue
+            for reorder in reorders:
+                reorder.input[0] = node.input[0]
+                reorder.attribute.append(helper.make_attribute("channels_last", 1))
+            dropped.add(id(node))
+    if dropped:
+        kept = [node for node in graph.node if id(node) not in dropped]
+        defined = {name for node in kept for name in node.output}
+        _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
+        _set_nodes(graph, kept)
+    return len(dropped)
+
+
+def _is_nchwc(node: onnx.NodeProto | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain == _NCHWC
+
+
 def _block_weight(weight: str, blocked: str, block: int, flip: bool) -> onnx.NodeProto:
     """``BlockWeight`` of ``weight`` into ``blocked``: its ``OIHWBiBo`` layout, or with ``flip`` that of its
     input-gradient kernel (transposed, taps reversed), in one pass (``engine/runtime/conv_kernels.cpp``)."""
@@ -1427,6 +1490,7 @@ PASSES = (
     OnnxPass("transposed matmul operands fused", fuse_transposed_operands),
     OnnxPass("strided projections' input gradients added in the phase weave", weave_projection_grads, _CPU),
     OnnxPass("convolutions on NCHWc kernels", _nchwc_convolutions, _CPU),
+    OnnxPass("channels-last transposes folded into NCHWc reorders", fold_channels_last_transposes, _CPU),
     OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, _CPU),
     OnnxPass("row sums as products", sum_rows_by_product, _CPU),
     OnnxPass("integer pads as concatenations", pad_by_concat, _CUDA),
