@@ -377,9 +377,7 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
         removed += len(nodes) - len(kept)
         nodes = kept
     if removed:
-        defined = {name for node in nodes for name in node.output}
-        _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
-        _set_nodes(graph, nodes)
+        _replace_nodes(graph, nodes)
     return removed
 
 
@@ -427,10 +425,7 @@ def merge_slices(model: onnx.ModelProto) -> int:
                 merged.add(id(inner))
         producers.update(dict.fromkeys(node.output, node))
     if merged:
-        kept = [node for node in graph.node if id(node) not in merged]
-        defined = {name for node in kept for name in node.output}
-        _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
-        _set_nodes(graph, kept)
+        _replace_nodes(graph, [node for node in graph.node if id(node) not in merged])
     return len(merged)
 
 
@@ -860,10 +855,7 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
                 reorder.attribute.append(helper.make_attribute("channels_last", 1))
             dropped.add(id(node))
     if dropped:
-        kept = [node for node in graph.node if id(node) not in dropped]
-        defined = {name for node in kept for name in node.output}
-        _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
-        _set_nodes(graph, kept)
+        _replace_nodes(graph, [node for node in graph.node if id(node) not in dropped])
     return len(dropped)
 
 
@@ -1427,6 +1419,13 @@ def _set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
     """Make ``nodes`` the nodes of ``graph``, in their order: how every rewrite here ends."""
     del graph.node[:]
     graph.node.extend(nodes)
+
+
+def _replace_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """:func:`_set_nodes`, dropping the ``value_info`` of values that ``nodes`` no longer define."""
+    defined = {name for node in nodes for name in node.output}
+    _keep_value_info(graph, defined | {value.name for value in graph.input} | {i.name for i in graph.initializer})
+    _set_nodes(graph, nodes)
 
 
 def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
