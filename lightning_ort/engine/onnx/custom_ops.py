@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import onnx
 import onnxscript
 from onnx.defs import OpSchema
 from onnxscript import opset18
@@ -31,6 +32,12 @@ from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
 
 DOMAIN = "ai.lightning_ort"
 """The ONNX domain of lightning_ort's ONNX Runtime kernels."""
+
+
+def uses_kernels(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has nodes of lightning_ort's kernels (it imports their domain)."""
+    return any(opset.domain == DOMAIN for opset in model.opset_import)
+
 
 _OPSET = onnxscript.values.Opset(DOMAIN, 1)
 FLOAT, INT = OpSchema.AttrType.FLOAT, OpSchema.AttrType.INT

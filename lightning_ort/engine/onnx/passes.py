@@ -54,7 +54,7 @@ from onnx import helper, numpy_helper
 from onnx_ir.passes import common as common_passes
 
 from lightning_ort.engine.once import Once
-from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.onnx.custom_ops import DOMAIN, uses_kernels
 from lightning_ort.logs import get_logger
 
 
@@ -74,8 +74,7 @@ class OnnxPass:
 
 
 def _nchwc_convolutions(model: onnx.ModelProto) -> int:
-    kernels = any(opset.domain == DOMAIN for opset in model.opset_import)
-    return use_nchwc_convolutions(model, nchwc_block_size(), kernels=kernels)
+    return use_nchwc_convolutions(model, nchwc_block_size(), kernels=uses_kernels(model))
 
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)

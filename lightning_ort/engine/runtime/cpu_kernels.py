@@ -28,7 +28,7 @@ from onnx import helper
 
 from lightning_ort.engine.fx.batch_norm import BATCH_NORM_TRAINING
 from lightning_ort.engine.once import Once
-from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.onnx.custom_ops import DOMAIN, uses_kernels
 from lightning_ort.errors import first_line
 
 _HERE = Path(__file__).parent
@@ -109,11 +109,6 @@ def _source_digest() -> str:
         digest.update(path.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     return digest.hexdigest()[:12]
-
-
-def uses_kernels(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has nodes of lightning_ort's kernels."""
-    return any(opset.domain == DOMAIN for opset in model.opset_import)
 
 
 def register_kernels(options: ort.SessionOptions, model: onnx.ModelProto) -> None:
