@@ -7,10 +7,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
@@ -38,6 +39,38 @@ def kernel_session(node: onnx.NodeProto, inputs: dict[str, Sequence[int] | None]
     )
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
     return session_with_kernels(helper.make_model(graph, opset_imports=opsets, ir_version=10))
+
+
+def input_gradient_model(out_channels: int, in_channels: int, kernel: int) -> onnx.ModelProto:
+    """A convolution's input gradient as the decomposition exports it: the forward weight ``w`` transposed and
+    its taps reversed by the exchange matrix, convolved with the output gradient ``gy``."""
+    taps = kernel * kernel
+    constants = {
+        "grouped_shape": np.array([1, out_channels, in_channels, kernel, kernel], np.int64),
+        "taps_shape": np.array([-1, taps], np.int64),
+        "exchange": np.eye(taps, dtype=np.float32)[::-1].copy(),
+        "kernel_shape": np.array([in_channels, out_channels, kernel, kernel], np.int64),
+    }
+    nodes = [
+        helper.make_node("Reshape", ["w", "grouped_shape"], ["grouped"], "node_view"),
+        helper.make_node("Transpose", ["grouped"], ["swapped"], "node_permute", perm=[0, 2, 1, 3, 4]),
+        helper.make_node("Reshape", ["swapped", "taps_shape"], ["taps"], "node_view_1"),
+        helper.make_node("MatMul", ["taps", "exchange"], ["reversed"], "node_mm"),
+        helper.make_node("Reshape", ["reversed", "kernel_shape"], ["flipped"], "node_view_2"),
+        helper.make_node("Conv", ["gy", "flipped"], ["gx"], "node_convolution", pads=[kernel // 2] * 4),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [out_channels, in_channels, kernel, kernel]),
+            helper.make_tensor_value_info("gy", TensorProto.FLOAT, [2, out_channels, 6, 6]),
+        ],
+        [helper.make_tensor_value_info("gx", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return onnx.shape_inference.infer_shapes(model)
 
 
 def clone_inputs(value: Any) -> Any:

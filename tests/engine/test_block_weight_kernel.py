@@ -9,11 +9,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.onnx.passes import nchwc_block_size, use_nchwc_convolutions
-from tests.helpers import kernel_session, session_with_kernels
+from tests.helpers import input_gradient_model, kernel_session, session_with_kernels
 
 needs_nchwc = pytest.mark.skipif(nchwc_block_size() <= 1, reason="ONNX Runtime has no NCHWc kernels on this CPU")
 
@@ -62,36 +62,20 @@ def _conv_graphs(block: int) -> onnx.ModelProto:
     """A dense convolution and an input gradient as the decomposition exports it (the forward weight
     transposed and its taps reversed by the exchange matrix), both of one weight ``w``, in a graph that also
     uses lightning_ort's kernels (a ``GeluGrad``)."""
-    out_channels, in_channels, taps = 3 * block, 2 * block, 9
-    constants = {
-        "grouped_shape": np.array([1, out_channels, in_channels, 3, 3], np.int64),
-        "taps_shape": np.array([-1, taps], np.int64),
-        "exchange": np.eye(taps, dtype=np.float32)[::-1].copy(),
-        "kernel_shape": np.array([in_channels, out_channels, 3, 3], np.int64),
-    }
-    nodes = [
-        helper.make_node("Conv", ["x", "w"], ["y"], "node_convolution", pads=[1, 1, 1, 1]),
-        helper.make_node("Reshape", ["w", "grouped_shape"], ["grouped"], "node_view"),
-        helper.make_node("Transpose", ["grouped"], ["swapped"], "node_permute", perm=[0, 2, 1, 3, 4]),
-        helper.make_node("Reshape", ["swapped", "taps_shape"], ["taps"], "node_view_1"),
-        helper.make_node("MatMul", ["taps", "exchange"], ["reversed"], "node_mm"),
-        helper.make_node("Reshape", ["reversed", "kernel_shape"], ["flipped"], "node_view_2"),
-        helper.make_node("Conv", ["gy", "flipped"], ["gx"], "node_convolution_1", pads=[1, 1, 1, 1]),
-        helper.make_node("GeluGrad", ["gx", "gx"], ["z"], "node_gelu_grad", domain=DOMAIN, approximate=0),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
+    out_channels, in_channels = 3 * block, 2 * block
+    model = input_gradient_model(out_channels, in_channels, 3)
+    graph = model.graph
+    graph.node.extend(
         [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, in_channels, 6, 6]),
-            helper.make_tensor_value_info("w", TensorProto.FLOAT, [out_channels, in_channels, 3, 3]),
-            helper.make_tensor_value_info("gy", TensorProto.FLOAT, [2, out_channels, 6, 6]),
-        ],
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "z")],
-        [numpy_helper.from_array(value, name) for name, value in constants.items()],
+            helper.make_node("Conv", ["x", "w"], ["y"], "node_forward_convolution", pads=[1, 1, 1, 1]),
+            helper.make_node("GeluGrad", ["gx", "gx"], ["z"], "node_gelu_grad", domain=DOMAIN, approximate=0),
+        ]
     )
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
-    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=opsets, ir_version=10))
+    graph.input.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, in_channels, 6, 6]))
+    del graph.output[:]
+    graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "z"))
+    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
 
 
 @needs_nchwc

@@ -31,6 +31,7 @@ from lightning_ort.engine.onnx.passes import (
     sum_rows_by_product,
     use_nchwc_convolutions,
 )
+from tests.helpers import input_gradient_model
 
 needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
 
@@ -264,38 +265,6 @@ def test_nchwc_weights_are_reordered_without_a_transpose(blocks: tuple[int, int]
     np.testing.assert_allclose(_run(model, feeds), expected, rtol=1e-4, atol=1e-4)
 
 
-def _input_gradient_model(out_channels: int, in_channels: int, kernel: int) -> onnx.ModelProto:
-    """A convolution's input gradient as the decomposition exports it: the forward weight ``w`` transposed and
-    its taps reversed by the exchange matrix, convolved with the output gradient ``gy``."""
-    taps = kernel * kernel
-    constants = {
-        "grouped_shape": np.array([1, out_channels, in_channels, kernel, kernel], np.int64),
-        "taps_shape": np.array([-1, taps], np.int64),
-        "exchange": np.eye(taps, dtype=np.float32)[::-1].copy(),
-        "kernel_shape": np.array([in_channels, out_channels, kernel, kernel], np.int64),
-    }
-    nodes = [
-        helper.make_node("Reshape", ["w", "grouped_shape"], ["grouped"], "node_view"),
-        helper.make_node("Transpose", ["grouped"], ["swapped"], "node_permute", perm=[0, 2, 1, 3, 4]),
-        helper.make_node("Reshape", ["swapped", "taps_shape"], ["taps"], "node_view_1"),
-        helper.make_node("MatMul", ["taps", "exchange"], ["reversed"], "node_mm"),
-        helper.make_node("Reshape", ["reversed", "kernel_shape"], ["flipped"], "node_view_2"),
-        helper.make_node("Conv", ["gy", "flipped"], ["gx"], "node_convolution", pads=[kernel // 2] * 4),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [
-            helper.make_tensor_value_info("w", TensorProto.FLOAT, [out_channels, in_channels, kernel, kernel]),
-            helper.make_tensor_value_info("gy", TensorProto.FLOAT, [2, out_channels, 6, 6]),
-        ],
-        [helper.make_tensor_value_info("gx", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(value, name) for name, value in constants.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-    return onnx.shape_inference.infer_shapes(model)
-
-
 @needs_nchwc
 @pytest.mark.parametrize(
     ("blocks", "kernel"), [((1, 1), 3), ((3, 2), 3), ((2, 5), 3), ((2, 1), 5)], ids=["1x1", "3x2", "2x5", "5x5"]
@@ -305,7 +274,7 @@ def test_input_gradient_kernels_are_blocked_from_the_forward_weight(blocks: tupl
     # straight from the forward weight, and the transpose and the exchange product go.
     block = nchwc_block_size()
     out_channels, in_channels = blocks[0] * block, blocks[1] * block
-    model = _input_gradient_model(out_channels, in_channels, kernel)
+    model = input_gradient_model(out_channels, in_channels, kernel)
     rng = np.random.default_rng(3)
     feeds = {
         "w": rng.standard_normal((out_channels, in_channels, kernel, kernel), dtype=np.float32),
@@ -320,11 +289,11 @@ def test_input_gradient_kernels_are_blocked_from_the_forward_weight(blocks: tupl
 @needs_nchwc
 def test_an_exchange_product_read_elsewhere_stays() -> None:
     block = nchwc_block_size()
-    model = _input_gradient_model(block, block, 3)
+    model = input_gradient_model(block, block, 3)
     model.graph.output.append(helper.make_tensor_value_info("reversed", TensorProto.FLOAT, None))
     assert use_nchwc_convolutions(model, block) == 1
     assert {"Transpose", "MatMul", "Gather"} <= {n.op_type for n in model.graph.node}
-    other = _input_gradient_model(block, block, 3)
+    other = input_gradient_model(block, block, 3)
     other.graph.initializer[2].CopyFrom(numpy_helper.from_array(np.eye(9, dtype=np.float32), "exchange"))
     assert use_nchwc_convolutions(other, block) == 1, "a product with another matrix is blocked as it is"
     assert "Gather" not in {n.op_type for n in other.graph.node}
