@@ -65,16 +65,23 @@ OrtStatus* check_channels(const Tensor& t, int64_t channels, const char* op, con
 // float statistics the forward outputs: the gradient recomputes y from X (for the clamp's mask) instead of reading
 // the forward's output. The library is compiled without floating-point contraction, so both compute the same y.
 
-// Sums are taken in kLanes independent float accumulators (which the compiler keeps in vector registers: a
-// single accumulator is one dependent addition per element) over runs of at most kRun elements, and in double
-// across runs, so float rounding stays local to a run.
-constexpr int64_t kLanes = 16;
+// Sums are taken in independent float accumulators, lanes (which the compiler keeps in vector registers: a single
+// accumulator is one dependent addition per element), over runs of at most kRun elements, and in double across
+// runs, so float rounding stays local to a run. The forward's sums take kSumLanes lanes, two AVX-512 registers
+// per sum, so that two chains of dependent additions overlap; the gradient's, which recompute the clamp's mask
+// for each element, take kGradLanes (both measured: docs/performance.md, "Batch norm in fused kernels").
+constexpr int64_t kSumLanes = 32;
+constexpr int64_t kGradLanes = 16;
 constexpr int64_t kRun = 512;
 
 // The end of the run of whole lane groups that starts at start, in a plane of n elements: at most kRun elements
 // on, start itself where fewer than kLanes are left (the rest is summed one by one).
-inline int64_t run_end(int64_t start, int64_t n) { return start + std::min(kRun, (n - start) / kLanes * kLanes); }
+template <int64_t kLanes>
+inline int64_t run_end(int64_t start, int64_t n) {
+  return start + std::min(kRun, (n - start) / kLanes * kLanes);
+}
 
+template <int64_t kLanes>
 double lane_total(const float* lanes) {
   double total = 0.0;
   for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
@@ -247,15 +254,15 @@ void with_modes(int mode, bool residual, Body body) {
 KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* squares) {
   double total = 0.0, total_squares = 0.0;
   int64_t start = 0;
-  for (int64_t end; (end = run_end(start, n)) > start; start = end) {
-    float s[kLanes] = {}, q[kLanes] = {};
-    for (int64_t i = start; i < end; i += kLanes)
-      for (int64_t j = 0; j < kLanes; ++j) {
+  for (int64_t end; (end = run_end<kSumLanes>(start, n)) > start; start = end) {
+    float s[kSumLanes] = {}, q[kSumLanes] = {};
+    for (int64_t i = start; i < end; i += kSumLanes)
+      for (int64_t j = 0; j < kSumLanes; ++j) {
         s[j] += p[i + j];
         q[j] += p[i + j] * p[i + j];
       }
-    total += lane_total(s);
-    total_squares += lane_total(q);
+    total += lane_total<kSumLanes>(s);
+    total_squares += lane_total<kSumLanes>(q);
   }
   for (int64_t i = start; i < n; ++i) {
     total += p[i];
@@ -441,16 +448,16 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, const float* 
                                    Bounds bounds, double* sum, double* dot) {
   double total = 0.0, total_dot = 0.0;
   int64_t start = 0;
-  for (int64_t end; (end = run_end(start, n)) > start; start = end) {
-    float s[kLanes] = {}, d[kLanes] = {};
-    for (int64_t i = start; i < end; i += kLanes)
-      for (int64_t j = 0; j < kLanes; ++j) {
+  for (int64_t end; (end = run_end<kGradLanes>(start, n)) > start; start = end) {
+    float s[kGradLanes] = {}, d[kGradLanes] = {};
+    for (int64_t i = start; i < end; i += kGradLanes)
+      for (int64_t j = 0; j < kGradLanes; ++j) {
         const float gi = masked<kClamp, kResidual>(g, x, y, i + j, f.a, f.b, bounds);
         s[j] += gi;
         d[j] += gi * (x[i + j] - mean);
       }
-    total += lane_total(s);
-    total_dot += lane_total(d);
+    total += lane_total<kGradLanes>(s);
+    total_dot += lane_total<kGradLanes>(d);
   }
   for (int64_t i = start; i < n; ++i) {
     const float gi = masked<kClamp, kResidual>(g, x, y, i, f.a, f.b, bounds);
