@@ -295,6 +295,71 @@ def test_the_gradient_matches_float64_at_image_sizes_around_its_plane_and_row_pa
         torch.testing.assert_close(torch.from_numpy(got).double(), leaf.grad, rtol=1e-4, atol=2e-5, msg=name)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("size", [(2, 2), (5, 5), (8, 8), (24, 24)], ids=str)
+def test_a_gradient_of_one_value_per_plane_gives_what_its_expanded_form_gives(
+    library: Path, residual: bool, size: tuple[int, int]
+) -> None:
+    """A global average pool's gradient, [N, C, 1, 1], is read per plane (rows and planes paths) with the same
+    results, bit for bit, as the gradient expanded over each plane."""
+    rng = np.random.default_rng(sum(size))
+    shape = (3, 5, *size)
+    x = rng.standard_normal(shape).astype(np.float32)
+    pooled = rng.standard_normal((3, 5, 1, 1)).astype(np.float32) / np.float32(size[0] * size[1])
+    feeds = {
+        "x": x,
+        "w": (rng.random(5) + 0.5).astype(np.float32),
+        "b": rng.standard_normal(5).astype(np.float32),
+        "m": x.mean((0, 2, 3)).astype(np.float32),
+        "s": (1 / np.sqrt(x.var((0, 2, 3)) + 1e-5)).astype(np.float32),
+    }
+    if residual:
+        feeds["y"] = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
+    op = "BatchNormAddTrainingGrad" if residual else "BatchNormTrainingGrad"
+    outputs = ["dx", "dw", "db", "dz"] if residual else ["dx", "dw", "db"]
+    node = helper.make_node(op, ["g", *feeds], outputs, domain=DOMAIN, clamp=1, min=0.0, max=math.inf)
+    session = kernel_session(node, {"g": None, **{name: value.shape for name, value in feeds.items()}})
+    per_plane = session.run(None, {"g": pooled, **feeds})
+    expanded = session.run(None, {"g": np.ascontiguousarray(np.broadcast_to(pooled, shape)), **feeds})
+    for name, ours, theirs in zip(outputs, per_plane, expanded, strict=True):
+        np.testing.assert_array_equal(ours, theirs, err_msg=name)
+
+
+def test_a_gradient_of_neither_shape_is_refused_with_both_shapes_named(library: Path) -> None:
+    shapes = {"g": (2, 3, 2, 1), "x": (2, 3, 4, 4), "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
+    session = kernel_session(_grad_node(None), shapes)
+    feeds = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    with pytest.raises(Exception, match=r"dY must have X's shape, or \[N, C, 1, ...\] for one value per image plane"):
+        session.run(None, feeds)
+
+
+def test_a_global_pools_gradient_reaches_the_batch_norm_gradient_one_value_per_plane(
+    library: Path, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug, fallback="raise")
+    x = torch.randn(4, 3, 6, 6)
+    wrapped(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    # The 3x3 weight gradient on 6x6 images runs in PyTorch, after the backward graph's first part.
+    backward = onnx.load(str(tmp_path / "m_training_backward_part0.onnx")).graph
+    assert "Expand" not in {node.op_type for node in backward.node}
+    (grad,) = [node for node in backward.node if node.op_type == "BatchNormTrainingGrad"]
+    producers = {output: node for node in backward.node for output in node.output}
+    assert producers[grad.input[0]].op_type == "Div"
+    for (name, ours), theirs in zip(wrapped.module.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_a_kernel_given_mismatched_shapes_fails_with_a_message_naming_the_input(library: Path) -> None:
     shapes = {"g": (2, 3, 4), "x": (2, 3, 4), "w": (4,), "b": (3,), "m": (3,), "s": (3,)}
     session = kernel_session(_grad_node(None), shapes)

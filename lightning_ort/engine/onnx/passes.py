@@ -30,6 +30,8 @@
   a product becomes one ``DequantizeLinear``.
 * :func:`sum_rows_by_product` (CPU graphs): a ``ReduceSum`` over leading axes (bias and normalisation-weight
   gradients) becomes a product with a row of ones.
+* :func:`read_pooled_grads_per_plane` (CPU graphs): a global average pool's gradient reaches the batch-norm
+  gradient kernel before it one value per plane, instead of expanded over each plane by ``Expand`` and ``Div``.
 * :func:`pad_by_concat` (CUDA graphs): a constant ``Pad`` of a type the CUDA provider has no ``Pad`` kernel for
   (integers: Hugging Face's causal-LM loss pads its labels) becomes a ``Concat`` with constant blocks, so that it
   runs on the GPU instead of between two copies to and from the host (:func:`cuda_host_nodes` finds what is left).
@@ -858,6 +860,67 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
     return len(dropped)
 
 
+def read_pooled_grads_per_plane(model: onnx.ModelProto) -> int:
+    """Let lightning_ort's batch-norm gradient kernels read a global average pool's gradient one value per plane,
+    in place.
+
+    The gradient of a global average pool over ``[N, C, H, W]`` is the pooled gradient ``g`` (``[N, C, 1, 1]``)
+    expanded over each plane and divided by the plane's size, ``Div(Expand(g, shape), size)``: two passes that
+    write the whole activation (ONNX Runtime's CPU ``Expand`` is slow on it too) for a batch-norm gradient to read
+    once. Where that gradient is their only reader, the division moves onto ``g`` and the kernel reads it as it
+    is, one value per plane (``engine/runtime/batch_norm_kernels.cpp``): the same values. Returns the number of
+    expands removed.
+
+    Example:
+        >>> g = helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, [2, 16, 1, 1])
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16, 4, 4])
+        >>> constants = [numpy_helper.from_array(np.array([2, 16, 4, 4]), "shape"),
+        ...              numpy_helper.from_array(np.array(16.0, np.float32), "size")]
+        >>> nodes = [
+        ...     helper.make_node("Expand", ["g", "shape"], ["e"]),
+        ...     helper.make_node("Div", ["e", "size"], ["dy"]),
+        ...     helper.make_node("BatchNormTrainingGrad", ["dy", "x", "w", "b", "m", "s"], ["dx", "dw", "db"],
+        ...                      domain=DOMAIN),
+        ... ]
+        >>> model = helper.make_model(helper.make_graph(nodes, "g", [g, x], [], constants))
+        >>> read_pooled_grads_per_plane(model), [(n.op_type, list(n.input)[:2]) for n in model.graph.node]
+        (1, [('Div', ['g', 'size']), ('BatchNormTrainingGrad', ['dy', 'x'])])
+    """
+    graph = model.graph
+    nodes = list(graph.node)
+    producers = {output: node for node in nodes for output in node.output}
+    reads = _read_counts(nodes, graph)
+    values = _values(graph)
+    divisors = {init.name for init in graph.initializer if math.prod(init.dims) == 1}
+    dropped: set[int] = set()
+    resized: set[str] = set()
+    for node in nodes:
+        if node.domain != DOMAIN or node.op_type not in ("BatchNormTrainingGrad", "BatchNormAddTrainingGrad"):
+            continue
+        div = producers.get(node.input[0])
+        if div is None or div.op_type != "Div" or not _in_default_domain(div) or div.input[1] not in divisors:
+            continue
+        expand = producers.get(div.input[0])
+        if expand is None or expand.op_type != "Expand" or not _in_default_domain(expand):
+            continue
+        if reads[div.output[0]] != 1 or reads[expand.output[0]] != 1:
+            continue
+        pooled, x = values.get(expand.input[0]), values.get(node.input[1])
+        if pooled is None or x is None or len(x.dims) < 3 or len(pooled.dims) != len(x.dims):
+            continue
+        if None in x.dims[:2] or pooled.dims[:2] != x.dims[:2] or any(d != 1 for d in pooled.dims[2:]):
+            continue
+        div.input[0] = expand.input[0]
+        dropped.add(id(expand))
+        resized.add(div.output[0])
+    if dropped:
+        _replace_nodes(graph, [node for node in nodes if id(node) not in dropped])
+        kept = [value for value in graph.value_info if value.name not in resized]
+        del graph.value_info[:]
+        graph.value_info.extend(kept)
+    return len(dropped)
+
+
 def _is_nchwc(node: onnx.NodeProto | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain == _NCHWC
 
@@ -1491,6 +1554,7 @@ PASSES = (
     OnnxPass("channels-last transposes folded into NCHWc reorders", fold_channels_last_transposes, _CPU),
     OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, _CPU),
     OnnxPass("row sums as products", sum_rows_by_product, _CPU),
+    OnnxPass("pooled gradients read per plane by batch-norm gradients", read_pooled_grads_per_plane, _CPU),
     OnnxPass("integer pads as concatenations", pad_by_concat, _CUDA),
     OnnxPass("bfloat16 ops without a CUDA kernel computed in float32", compute_cuda_bfloat16_gaps_in_float, _CUDA),
     OnnxPass("reshapes removed", collapse_reshapes),

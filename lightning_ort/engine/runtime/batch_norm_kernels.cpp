@@ -14,7 +14,9 @@
 //   ai.lightning_ort::BatchNormTrainingGrad(dY, X, scale, bias, mean, invstd) -> (dX, dscale, dbias)
 //       attributes: clamp, min, max. With clamp, dY is kept only where the normalized value v was inside the
 //       bounds, min < v < max (v > min alone for an infinite max), as PyTorch's ReLU and hardtanh gradients keep
-//       it. v is recomputed from X: the forward's output need not be kept for it.
+//       it. v is recomputed from X: the forward's output need not be kept for it. dY is X's shape, or
+//       [N, C, 1, ...]: one value per image plane, the same at each of its positions (the gradient of a global
+//       average pool after the batch norm, not expanded).
 //   ai.lightning_ort::BatchNormAddTraining(X, scale, bias, running_mean, running_var, Z)
 //           -> (Y, mean, invstd, new_running_mean, new_running_var)
 //       As BatchNormTraining, with Z (X's shape) added before the clamp: Y = clamp(x * a + b + z), a residual
@@ -187,6 +189,7 @@ struct Block {
   int64_t first, last, row;
   bool planes;
   float* coefficients;  // kCoefficients arrays of row floats
+  float* grad_row;      // row floats: a per-plane dY repeated over the positions (grad_rows)
   double* sums;         // 2 arrays of row doubles
 
   static constexpr int kCoefficients = 6;
@@ -198,9 +201,10 @@ struct Block {
     planes = blocks.planes;
     thread_local std::vector<float> floats;
     thread_local std::vector<double> doubles;
-    floats.resize(static_cast<size_t>(kCoefficients * row));
+    floats.resize(static_cast<size_t>((kCoefficients + 1) * row));
     doubles.assign(static_cast<size_t>(2 * row), 0.0);
     coefficients = floats.data();
+    grad_row = floats.data() + kCoefficients * row;
     sums = doubles.data();
   }
 
@@ -441,7 +445,19 @@ struct BackwardWork {
   Blocks blocks;
   int clamp;
   Bounds bounds;
+  bool grad_per_plane;  // dY is [N, C, 1, ...]
 };
+
+// dY at image n, channels [first, last) of a block: dY itself, or, for a dY of one value per plane, each
+// channel's value repeated over its positions in the block's scratch row (it stays in cache), valid until the
+// next call.
+const float* grad_rows(const BackwardWork& w, const Block& block, int64_t n, int64_t first, int64_t last) {
+  const Layout& l = w.layout;
+  if (!w.grad_per_plane) return w.grad + (n * l.channels + first) * l.spatial;
+  for (int64_t c = first; c < last; ++c)
+    std::fill_n(block.grad_row + (c - first) * l.spatial, l.spatial, w.grad[n * l.channels + c]);
+  return block.grad_row;
+}
 
 template <int kClamp, bool kResidual>
 KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, const float* y, int64_t n, float mean, Affine f,
@@ -509,16 +525,17 @@ void block_grad_sums(const BackwardWork& w, const Block& block, double* sum, dou
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
         const int64_t offset = n * stride + c * l.spatial;
-        plane_grad_sums<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
-                                           l.spatial, w.mean[c], f, w.bounds, &sum[c - block.first],
-                                           &dot[c - block.first]);
+        const float* g = grad_rows(w, block, n, c, c + 1);
+        plane_grad_sums<kClamp, kResidual>(g, w.x + offset, kResidual ? w.y + offset : nullptr, l.spatial, w.mean[c],
+                                           f, w.bounds, &sum[c - block.first], &dot[c - block.first]);
       }
     }
     return;
   }
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
-    column_grad_sums<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
+    column_grad_sums<kClamp, kResidual>(grad_rows(w, block, n, block.first, block.last), w.x + offset,
+                                        kResidual ? w.y + offset : nullptr,
                                         block.row, block.coefficient(kA), block.coefficient(kB),
                                         block.coefficient(kMean), w.bounds, block.sums, block.sums + block.row);
   }
@@ -553,9 +570,10 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
       const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
       for (int64_t n = 0; n < l.batch; ++n) {
         const int64_t offset = n * stride + c * l.spatial;
-        plane_grad<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
-                                      w.grad_x + offset, kResidual ? w.grad_z + offset : nullptr, l.spatial,
-                                      w.mean[c], f, w.bounds, shift(c), projection(c), scale(c));
+        const float* g = grad_rows(w, block, n, c, c + 1);
+        plane_grad<kClamp, kResidual>(g, w.x + offset, kResidual ? w.y + offset : nullptr, w.grad_x + offset,
+                                      kResidual ? w.grad_z + offset : nullptr, l.spatial, w.mean[c], f, w.bounds,
+                                      shift(c), projection(c), scale(c));
       }
     }
     return;
@@ -567,7 +585,8 @@ void backward_block_with(const BackwardWork& w, const Block& block) {
   for (int i = 0; i < Block::kCoefficients; ++i) coefficients[i] = block.coefficient(i);
   for (int64_t n = 0; n < l.batch; ++n) {
     const int64_t offset = n * stride + block.first * l.spatial;
-    row_grad<kClamp, kResidual>(w.grad + offset, w.x + offset, kResidual ? w.y + offset : nullptr,
+    row_grad<kClamp, kResidual>(grad_rows(w, block, n, block.first, block.last), w.x + offset,
+                                kResidual ? w.y + offset : nullptr,
                                 w.grad_x + offset, kResidual ? w.grad_z + offset : nullptr, block.row, coefficients,
                                 w.bounds);
   }
@@ -599,8 +618,11 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(read_input(context, 5, &invstd));
   Layout layout;
   RETURN_IF_ERROR(channel_layout(x, op, &layout));
-  if (grad.numel() != x.numel())
-    return api->error(kInvalidArgument, std::string(op) + ": dY and X must have the same shape");
+  const bool per_plane = grad.rank == x.rank && grad.rank > 2 && grad.dims[0] == x.dims[0] &&
+                         grad.dims[1] == x.dims[1] && grad.numel() == layout.batch * layout.channels;
+  if (grad.numel() != x.numel() && !per_plane)
+    return api->error(kInvalidArgument, std::string(op) + ": dY must have X's shape, or [N, C, 1, ...] for one value " +
+                                            "per image plane");
   RETURN_IF_ERROR(check_channels(scale, layout.channels, op, "scale"));
   RETURN_IF_ERROR(check_channels(bias, layout.channels, op, "bias"));
   RETURN_IF_ERROR(check_channels(mean, layout.channels, op, "mean"));
@@ -611,6 +633,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   }
   BackwardWork work{};
   work.grad = grad.data;
+  work.grad_per_plane = per_plane && grad.numel() != x.numel();
   work.x = x.data;
   work.scale = scale.data;
   work.bias = bias.data;
