@@ -15,6 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from lightning_ort import DebugOptions, ORTModule
+from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.onnx.passes import (
     DISABLED_ORT_OPTIMIZERS,
     collapse_reshapes,
@@ -28,10 +29,11 @@ from lightning_ort.engine.onnx.passes import (
     nchwc_block_size,
     pad_by_concat,
     split_gemm_bias,
+    subsample_images,
     sum_rows_by_product,
     use_nchwc_convolutions,
 )
-from tests.helpers import input_gradient_model
+from tests.helpers import input_gradient_model, session_with_kernels
 
 needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
 
@@ -649,6 +651,53 @@ def test_a_strided_pointwise_convolutions_weight_gradient_subsamples_its_input_i
     ORTModule(model, debug, conv_weight_grad="onnx")(x).square().sum().backward()
     graphs = [onnx.load(str(tmp_path / f"m_training_{graph}.onnx")).graph for graph in ("forward", "backward")]
     assert [n.op_type for graph in graphs for n in graph.node].count("Slice") == 1
+
+
+@pytest.mark.parametrize(
+    ("shape", "starts", "ends", "axes", "steps", "rewritten"),
+    [
+        ((2, 3, 8, 8), [0, 0], [7, 7], [2, 3], [2, 2], True),
+        ((2, 3, 9, 7), [0, 0], [2**62, 2**62], [-2, -1], [2, 3], True),
+        ((1, 2, 5, 6), [0, 0], [6, 5], [3, 2], [1, 2], True),
+        ((2, 3, 8, 8), [1, 0], [8, 8], [2, 3], [2, 2], False),  # starts at the second row
+        ((2, 3, 8, 8), [0, 0], [6, 8], [2, 3], [2, 2], False),  # drops the last rows
+        ((2, 3, 8, 8), [0, 0], [-1, 8], [2, 3], [2, 2], False),  # ends counted from the back
+        ((2, 3, 8, 8), [0], [8], [3], [2], False),  # one image axis
+    ],
+)
+def test_an_image_subsample_runs_in_the_kernel_with_the_same_values(
+    library: Path,
+    shape: tuple[int, ...],
+    starts: list[int],
+    ends: list[int],
+    axes: list[int],
+    steps: list[int],
+    rewritten: bool,
+) -> None:
+    constants = [
+        numpy_helper.from_array(np.array(values, np.int64), name)
+        for name, values in [("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps)]
+    ]
+    node = helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"], "node_slice")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        constants,
+    )
+    plain = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert subsample_images(copy.deepcopy(plain)) == 0, "a graph without lightning_ort's kernels gains no dependency"
+    model = copy.deepcopy(plain)
+    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    x.flat[[0, 2, 4, 6]] = [np.nan, -np.inf, -0.0, np.inf]  # kept by every subsample above that starts at 0
+    (expected,) = _run_all(plain, {"x": x})
+    assert subsample_images(model) == int(rewritten)
+    assert [n.op_type for n in model.graph.node] == ["Subsample" if rewritten else "Slice"]
+    (actual,) = session_with_kernels(model).run(None, {"x": x})
+    np.testing.assert_array_equal(actual, expected)
+    np.testing.assert_array_equal(np.signbit(actual), np.signbit(expected))
 
 
 def _run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -7,6 +7,9 @@
 * :func:`collapse_reshapes`: reshapes that change nothing are dropped and chains of reshapes shortcut.
 * :func:`merge_slices`: a ``Slice`` of a ``Slice`` on other axes becomes one ``Slice`` (a strided convolution's
   input subsampled along both image axes), one pass over the data instead of two.
+* :func:`subsample_images` (CPU graphs that use lightning_ort's kernels): a ``Slice`` that takes every s-th row
+  and column of images runs as lightning_ort's ``Subsample`` kernel instead of ONNX Runtime's element-by-element
+  copy.
 * :func:`split_gemm_bias` (CPU graphs): a ``Gemm`` with a bias becomes a product and an ``Add`` (ONNX Runtime's
   CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
@@ -428,6 +431,71 @@ def merge_slices(model: onnx.ModelProto) -> int:
     if merged:
         _replace_nodes(graph, [node for node in graph.node if id(node) not in merged])
     return len(merged)
+
+
+def subsample_images(model: onnx.ModelProto) -> int:
+    """A ``Slice`` that takes every s-th row and t-th column of float32 images, from the first, becomes
+    lightning_ort's ``Subsample`` kernel (``engine/runtime/conv_kernels.cpp``); in place. Only in graphs that
+    already use lightning_ort's kernels (their sessions load the library anyway).
+
+    A strided 1x1 convolution's weight gradient reads its input at every other row and column (one ``Slice`` on
+    both image axes, :func:`merge_slices`). ONNX Runtime's CPU ``Slice`` copies such a selection element by
+    element; the kernel copies it with vector shuffles, the same values (see the performance page). Only
+    ``[N, C, H, W]`` inputs of static image size whose slice starts at 0 on both axes and keeps every selected row
+    and column to the end are rewritten. Returns the number of slices rewritten.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 8, 8])
+        >>> constants = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+        ...     [("starts", [0, 0]), ("ends", [7, 7]), ("axes", [2, 3]), ("steps", [2, 2])]]
+        >>> node = helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"], "node_slice")
+        >>> opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]  # a graph with our kernels
+        >>> model = helper.make_model(helper.make_graph([node], "g", [x], [], constants), opset_imports=opsets)
+        >>> subsample_images(model), [(n.op_type, n.name) for n in model.graph.node]
+        (1, [('Subsample', 'node_slice')])
+    """
+    if not uses_kernels(model):
+        return 0
+    graph = model.graph
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    values = _values(graph)
+    rewritten = 0
+    for index, node in enumerate(graph.node):
+        steps = _image_subsample_steps(node, constants, values)
+        if steps is None:
+            continue
+        subsample = helper.make_node(
+            "Subsample",
+            [node.input[0]],
+            list(node.output),
+            node.name,
+            domain=DOMAIN,
+            row_step=steps[0],
+            col_step=steps[1],
+        )
+        graph.node[index].CopyFrom(subsample)
+        rewritten += 1
+    return rewritten
+
+
+def _image_subsample_steps(
+    node: onnx.NodeProto, constants: dict[str, np.ndarray], values: dict[str, _Value]
+) -> tuple[int, int] | None:
+    """The row and column steps of a ``Slice`` that :func:`subsample_images` rewrites, else ``None``."""
+    parameters = _slice_parameters(node, constants)
+    data = values.get(node.input[0]) if parameters is not None else None
+    if parameters is None or data is None or data.elem_type != onnx.TensorProto.FLOAT or len(data.dims) != 4:
+        return None
+    starts, ends, axes, steps = parameters
+    sizes = {2: data.dims[2], 3: data.dims[3]}
+    if sorted(int(axis) % 4 for axis in axes) != [2, 3] or not all(isinstance(n, int) for n in sizes.values()):
+        return None
+    slices = {int(a) % 4: (int(b), int(e), int(t)) for a, b, e, t in zip(axes, starts, ends, steps, strict=True)}
+    for axis, (start, end, step) in slices.items():
+        size = int(sizes[axis])
+        if start != 0 or end <= 0 or step < 1 or -(-min(end, size) // step) != -(-size // step):
+            return None
+    return slices[2][2], slices[3][2]
 
 
 def _slice_parameters(
@@ -1559,6 +1627,7 @@ PASSES = (
     OnnxPass("bfloat16 ops without a CUDA kernel computed in float32", compute_cuda_bfloat16_gaps_in_float, _CUDA),
     OnnxPass("reshapes removed", collapse_reshapes),
     OnnxPass("slices of slices merged", merge_slices),
+    OnnxPass("image subsamples in lightning_ort's kernel", subsample_images, _CPU),
     OnnxPass("unused initializers dropped", drop_unused_initializers),
 )
 """The rewrites of every exported graph, in order: reshapes are collapsed after the passes that add some, and

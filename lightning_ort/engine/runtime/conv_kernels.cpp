@@ -1,5 +1,6 @@
-// ONNX Runtime CPU kernels for convolutions: the weaving of a stride-2 convolution's input gradient, and the
-// blocking of a weight into the layout of ONNX Runtime's NCHWc convolution.
+// ONNX Runtime CPU kernels for convolutions: the weaving of a stride-2 convolution's input gradient, the
+// subsampling of a strided pointwise convolution's input for its weight gradient, and the blocking of a weight
+// into the layout of ONNX Runtime's NCHWc convolution.
 //
 //   ai.lightning_ort::Interleave2x2(P00, P01, P10, P11) -> Y
 //       attributes: height, width (ints), Y's image size.
@@ -11,6 +12,13 @@
 //       The same, with Z ([N, C, rows, cols] like P00) added to the even rows' even columns: the input gradient of
 //       a strided 1x1 projection that reads the same tensor as the 3x3 convolution whose phases these are, which
 //       lands on exactly those positions.
+//
+//   ai.lightning_ort::Subsample(X) -> Y
+//       attributes: row_step, col_step (ints, >= 1).
+//       X is [N, C, H, W] float32, contiguous; Y is [N, C, ceil(H / row_step), ceil(W / col_step)] with
+//       Y[n, c, u, v] = X[n, c, u * row_step, v * col_step]: every row_step-th row and col_step-th column from the
+//       first, copied as they are (NaN and signed zeros included). ONNX Runtime's Slice takes such a selection
+//       element by element on one path for all steps.
 //
 //   ai.lightning_ort::BlockWeight(W) -> Y
 //       attributes: block (int) B, flip (int, 0 or 1).
@@ -134,6 +142,73 @@ OrtStatus* create_interleave(const OrtCustomOp*, const void*, const OrtKernelInf
 }
 
 void destroy_interleave(void* kernel) { delete static_cast<ImageSize*>(kernel); }
+
+struct Steps {
+  int64_t rows, cols;
+};
+
+struct SubsampleWork {
+  const float* in;
+  float* out;
+  int64_t height, width, out_height, out_width, planes, planes_per_task;
+  Steps steps;
+};
+
+// One output row from an input row: every step-th element; a step of 2 compiles to vector shuffles.
+template <int64_t kStep>
+KERNEL_CLONES void subsample_row(const float* __restrict in, float* __restrict out, int64_t count, int64_t step) {
+  const int64_t stride = kStep > 0 ? kStep : step;
+  for (int64_t v = 0; v < count; ++v) out[v] = in[v * stride];
+}
+
+void subsample_planes(void* data, size_t task) {
+  const SubsampleWork& w = *static_cast<const SubsampleWork*>(data);
+  const int64_t first = static_cast<int64_t>(task) * w.planes_per_task;
+  const int64_t last = std::min(first + w.planes_per_task, w.planes);
+  for (int64_t plane = first; plane < last; ++plane)
+    for (int64_t u = 0; u < w.out_height; ++u) {
+      const float* in = w.in + (plane * w.height + u * w.steps.rows) * w.width;
+      float* out = w.out + (plane * w.out_height + u) * w.out_width;
+      if (w.steps.cols == 2)
+        subsample_row<2>(in, out, w.out_width, 2);
+      else
+        subsample_row<0>(in, out, w.out_width, w.steps.cols);
+    }
+}
+
+OrtStatus* subsample_compute(void* kernel, OrtKernelContext* context) {
+  const Steps& steps = *static_cast<const Steps*>(kernel);
+  Tensor x;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  if (x.rank != 4) return api->error(kInvalidArgument, "Subsample: X must be [N, C, H, W]");
+  SubsampleWork work{};
+  work.in = x.data;
+  work.steps = steps;
+  work.height = x.dims[2];
+  work.width = x.dims[3];
+  work.out_height = (work.height + steps.rows - 1) / steps.rows;
+  work.out_width = (work.width + steps.cols - 1) / steps.cols;
+  const int64_t dims[4] = {x.dims[0], x.dims[1], work.out_height, work.out_width};
+  RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
+  work.planes = x.dims[0] * x.dims[1];
+  if (work.planes == 0 || work.out_height == 0 || work.out_width == 0) return nullptr;
+  // About 64 tasks for the thread pool, whole planes each.
+  work.planes_per_task = std::max<int64_t>(1, work.planes / 64);
+  const int64_t tasks = (work.planes + work.planes_per_task - 1) / work.planes_per_task;
+  return parallel_for(context, subsample_planes, static_cast<size_t>(tasks), &work);
+}
+
+OrtStatus* create_subsample(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
+  Steps steps{};
+  RETURN_IF_ERROR(read_int(info, "row_step", &steps.rows));
+  RETURN_IF_ERROR(read_int(info, "col_step", &steps.cols));
+  if (steps.rows < 1 || steps.cols < 1)
+    return api->error(kInvalidArgument, "Subsample: row_step and col_step must be >= 1");
+  *kernel = new Steps(steps);
+  return nullptr;
+}
+
+void destroy_subsample(void* kernel) { delete static_cast<Steps*>(kernel); }
 
 struct Blocking {
   int64_t block, flip;
@@ -346,6 +421,7 @@ const std::vector<OpDefinition>& conv_ops() {
   static const std::vector<OpDefinition> ops = {
       make_op("Interleave2x2", 4, 1, create_interleave, interleave_compute<false>, destroy_interleave),
       make_op("Interleave2x2Add", 5, 1, create_interleave, interleave_compute<true>, destroy_interleave),
+      make_op("Subsample", 1, 1, create_subsample, subsample_compute, destroy_subsample),
       make_op("BlockWeight", 1, 1, create_block_weight, block_weight_compute, destroy_block_weight),
   };
   return ops;

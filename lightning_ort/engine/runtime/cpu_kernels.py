@@ -1,8 +1,9 @@
 """lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``), the
-max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient and
-the blocking of convolution weights for ONNX Runtime's NCHWc kernels (``conv_kernels.cpp``), GELU's gradient
-(``activation_kernels.cpp``) and layer norm's (``layer_norm_kernels.cpp``), over the part of ONNX Runtime's C
-ABI they declare (``ort_custom_ops.h``) and registered by ``register_kernels.cpp``.
+max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient, the
+subsampling of a strided projection's input and the blocking of convolution weights for ONNX Runtime's NCHWc
+kernels (``conv_kernels.cpp``), GELU's gradient (``activation_kernels.cpp``) and layer norm's
+(``layer_norm_kernels.cpp``), over the part of ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and
+registered by ``register_kernels.cpp``.
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
 folder, under a name with a hash of the sources, so that two versions of lightning_ort on one machine do not
