@@ -487,12 +487,12 @@ def _image_subsample_steps(
     if parameters is None or data is None or data.elem_type != onnx.TensorProto.FLOAT or len(data.dims) != 4:
         return None
     starts, ends, axes, steps = parameters
-    sizes = {2: data.dims[2], 3: data.dims[3]}
-    if sorted(int(axis) % 4 for axis in axes) != [2, 3] or not all(isinstance(n, int) for n in sizes.values()):
+    sizes = {axis: size for axis, size in ((2, data.dims[2]), (3, data.dims[3])) if isinstance(size, int)}
+    if sorted(int(axis) % 4 for axis in axes) != [2, 3] or len(sizes) != 2:
         return None
     slices = {int(a) % 4: (int(b), int(e), int(t)) for a, b, e, t in zip(axes, starts, ends, steps, strict=True)}
     for axis, (start, end, step) in slices.items():
-        size = int(sizes[axis])
+        size = sizes[axis]
         if start != 0 or end <= 0 or step < 1 or -(-min(end, size) // step) != -(-size // step):
             return None
     return slices[2][2], slices[3][2]
