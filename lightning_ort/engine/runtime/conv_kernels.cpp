@@ -17,8 +17,8 @@
 //       attributes: row_step, col_step (ints, >= 1).
 //       X is [N, C, H, W] float32, contiguous; Y is [N, C, ceil(H / row_step), ceil(W / col_step)] with
 //       Y[n, c, u, v] = X[n, c, u * row_step, v * col_step]: every row_step-th row and col_step-th column from the
-//       first, copied as they are (NaN and signed zeros included). ONNX Runtime's Slice takes such a selection
-//       element by element on one path for all steps.
+//       first, copied as they are (NaN and signed zeros included). ONNX Runtime's Slice copies such a selection
+//       element by element.
 //
 //   ai.lightning_ort::BlockWeight(W) -> Y
 //       attributes: block (int) B, flip (int, 0 or 1).
