@@ -983,9 +983,7 @@ def read_pooled_grads_per_plane(model: onnx.ModelProto) -> int:
         resized.add(div.output[0])
     if dropped:
         _replace_nodes(graph, [node for node in nodes if id(node) not in dropped])
-        kept = [value for value in graph.value_info if value.name not in resized]
-        del graph.value_info[:]
-        graph.value_info.extend(kept)
+        _keep_value_info(graph, {value.name for value in graph.value_info} - resized)
     return len(dropped)
 
 

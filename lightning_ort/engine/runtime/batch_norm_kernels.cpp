@@ -633,7 +633,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   }
   BackwardWork work{};
   work.grad = grad.data;
-  work.grad_per_plane = per_plane && grad.numel() != x.numel();
+  work.grad_per_plane = grad.numel() != x.numel();  // the [N, C, 1, ...] form, checked above
   work.x = x.data;
   work.scale = scale.data;
   work.bias = bias.data;

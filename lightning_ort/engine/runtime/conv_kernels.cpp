@@ -60,7 +60,8 @@ struct InterleaveWork {
   const float* phases[5];  // the fifth: Z, added to the even-even phase (Interleave2x2Add)
   int64_t rows[5], cols[5];
   float* out;
-  int64_t height, width, planes, planes_per_task;
+  int64_t height, width;
+  Chunks planes;
 };
 
 // One output row from the two phases of its parity: even columns from `even` (plus `addend`'s with kAdd; it is
@@ -79,9 +80,7 @@ KERNEL_CLONES void weave_row(const float* __restrict even, const float* __restri
 template <bool kAdd>
 void interleave_planes(void* data, size_t task) {
   const InterleaveWork& w = *static_cast<const InterleaveWork*>(data);
-  const int64_t first = static_cast<int64_t>(task) * w.planes_per_task;
-  const int64_t last = std::min(first + w.planes_per_task, w.planes);
-  for (int64_t plane = first; plane < last; ++plane) {
+  for (int64_t plane = w.planes.first(task); plane < w.planes.last(task); ++plane) {
     float* out = w.out + plane * w.height * w.width;
     for (int64_t y = 0; y < w.height; ++y) {
       const int64_t parity = y % 2, u = y / 2;
@@ -123,12 +122,9 @@ OrtStatus* interleave_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
   work.height = size.height;
   work.width = size.width;
-  work.planes = dims[0] * dims[1];
-  if (work.planes == 0 || size.height == 0 || size.width == 0) return nullptr;
-  // About 64 tasks for the thread pool, whole planes each.
-  work.planes_per_task = std::max<int64_t>(1, work.planes / 64);
-  const int64_t tasks = (work.planes + work.planes_per_task - 1) / work.planes_per_task;
-  return parallel_for(context, interleave_planes<kAdd>, static_cast<size_t>(tasks), &work);
+  work.planes = Chunks::of(dims[0] * dims[1]);
+  if (work.planes.items == 0 || size.height == 0 || size.width == 0) return nullptr;
+  return parallel_for(context, interleave_planes<kAdd>, work.planes.tasks(), &work);
 }
 
 OrtStatus* create_interleave(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
@@ -150,7 +146,8 @@ struct Steps {
 struct SubsampleWork {
   const float* in;
   float* out;
-  int64_t height, width, out_height, out_width, planes, planes_per_task;
+  int64_t height, width, out_height, out_width;
+  Chunks planes;
   Steps steps;
 };
 
@@ -163,9 +160,7 @@ KERNEL_CLONES void subsample_row(const float* __restrict in, float* __restrict o
 
 void subsample_planes(void* data, size_t task) {
   const SubsampleWork& w = *static_cast<const SubsampleWork*>(data);
-  const int64_t first = static_cast<int64_t>(task) * w.planes_per_task;
-  const int64_t last = std::min(first + w.planes_per_task, w.planes);
-  for (int64_t plane = first; plane < last; ++plane)
+  for (int64_t plane = w.planes.first(task); plane < w.planes.last(task); ++plane)
     for (int64_t u = 0; u < w.out_height; ++u) {
       const float* in = w.in + (plane * w.height + u * w.steps.rows) * w.width;
       float* out = w.out + (plane * w.out_height + u) * w.out_width;
@@ -190,12 +185,9 @@ OrtStatus* subsample_compute(void* kernel, OrtKernelContext* context) {
   work.out_width = (work.width + steps.cols - 1) / steps.cols;
   const int64_t dims[4] = {x.dims[0], x.dims[1], work.out_height, work.out_width};
   RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
-  work.planes = x.dims[0] * x.dims[1];
-  if (work.planes == 0 || work.out_height == 0 || work.out_width == 0) return nullptr;
-  // About 64 tasks for the thread pool, whole planes each.
-  work.planes_per_task = std::max<int64_t>(1, work.planes / 64);
-  const int64_t tasks = (work.planes + work.planes_per_task - 1) / work.planes_per_task;
-  return parallel_for(context, subsample_planes, static_cast<size_t>(tasks), &work);
+  work.planes = Chunks::of(x.dims[0] * x.dims[1]);
+  if (work.planes.items == 0 || work.out_height == 0 || work.out_width == 0) return nullptr;
+  return parallel_for(context, subsample_planes, work.planes.tasks(), &work);
 }
 
 OrtStatus* create_subsample(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
@@ -218,7 +210,7 @@ struct BlockWork {
   const float* weight;
   float* out;
   int64_t block, flip, taps, rows, cols;  // the weight is [rows, cols, taps]; tiles are [rows/B, cols/B] or flipped
-  int64_t tiles, tiles_per_task;
+  Chunks tiles;
   bool vectors;  // this CPU has the vector path of the block: AVX-512 for 16, AVX2 for 8
 };
 
@@ -356,9 +348,7 @@ void block_tile(const Tile& tile, int64_t b, int64_t taps) {
 
 void block_tiles(void* data, size_t task) {
   const BlockWork& w = *static_cast<const BlockWork*>(data);
-  const int64_t first = static_cast<int64_t>(task) * w.tiles_per_task;
-  const int64_t last = std::min(first + w.tiles_per_task, w.tiles);
-  for (int64_t index = first; index < last; ++index) {
+  for (int64_t index = w.tiles.first(task); index < w.tiles.last(task); ++index) {
     const Tile tile = tile_of(w, index);
 #if X86_VECTORS
     if (w.block == 16 && w.vectors) {
@@ -392,15 +382,12 @@ OrtStatus* block_weight_compute(void* kernel, OrtKernelContext* context) {
   const int64_t dims[4] = {blocking.flip ? work.cols : work.rows, blocking.flip ? work.rows : work.cols,
                            weight.dims[2], weight.dims[3]};
   RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
-  work.tiles = (work.rows / b) * (work.cols / b);
+  work.tiles = Chunks::of((work.rows / b) * (work.cols / b));
 #if X86_VECTORS
   work.vectors = (b == 16 && __builtin_cpu_supports("avx512f")) || (b == 8 && __builtin_cpu_supports("avx2"));
 #endif
-  if (work.tiles == 0 || work.taps == 0) return nullptr;
-  // About 64 tasks for the thread pool, whole tiles each.
-  work.tiles_per_task = std::max<int64_t>(1, work.tiles / 64);
-  const int64_t tasks = (work.tiles + work.tiles_per_task - 1) / work.tiles_per_task;
-  return parallel_for(context, block_tiles, static_cast<size_t>(tasks), &work);
+  if (work.tiles.items == 0 || work.taps == 0) return nullptr;
+  return parallel_for(context, block_tiles, work.tiles.tasks(), &work);
 }
 
 OrtStatus* create_block_weight(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {

@@ -121,7 +121,7 @@ struct MaxPoolGradWork {
   const float* grad;
   const float* x;
   float* grad_x;
-  int64_t planes, planes_per_task;
+  Chunks planes;
   Window window;
   Plan plan;
 };
@@ -150,15 +150,13 @@ void plane_grad(const Window& k, const Plan& p, const float* x, const float* gra
 void grad_planes(void* data, size_t task) {
   const MaxPoolGradWork& w = *static_cast<const MaxPoolGradWork*>(data);
   const Plan& p = w.plan;
-  const int64_t first = static_cast<int64_t>(task) * w.planes_per_task;
-  const int64_t last = std::min(first + w.planes_per_task, w.planes);
   thread_local std::vector<float> phases, largest;
   thread_local std::vector<int32_t> best;
   phases.resize(static_cast<size_t>(w.window.stride_h * w.window.stride_w * p.phase_size));
   largest.resize(p.base.size());
   best.resize(p.base.size());
   const int64_t in_plane = p.height * p.width, out_plane = p.out_height * p.out_width;
-  for (int64_t i = first; i < last; ++i)
+  for (int64_t i = w.planes.first(task); i < w.planes.last(task); ++i)
     plane_grad(w.window, p, w.x + i * in_plane, w.grad + i * out_plane, w.grad_x + i * in_plane, phases.data(),
                largest.data(), best.data());
 }
@@ -184,12 +182,9 @@ OrtStatus* max_pool_grad_compute(void* kernel, OrtKernelContext* context) {
     std::fill_n(grad_x, x.numel(), 0.0f);
     return nullptr;
   }
-  MaxPoolGradWork work{grad.data, x.data, grad_x, x.dims[0] * x.dims[1], 1, k,
+  MaxPoolGradWork work{grad.data, x.data, grad_x, Chunks::of(x.dims[0] * x.dims[1]), k,
                        plan_of(k, height, width, out_height, out_width)};
-  // About 64 tasks for the thread pool, whole planes each.
-  work.planes_per_task = std::max<int64_t>(1, work.planes / 64);
-  const int64_t tasks = (work.planes + work.planes_per_task - 1) / work.planes_per_task;
-  return parallel_for(context, grad_planes, static_cast<size_t>(tasks), &work);
+  return parallel_for(context, grad_planes, work.planes.tasks(), &work);
 }
 
 OrtStatus* create_max_pool_grad(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {

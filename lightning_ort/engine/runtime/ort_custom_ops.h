@@ -170,6 +170,16 @@ inline OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size
       kKernelContextParallelFor)(context, fn, total, total, data);
 }
 
+// `items` whole items (image planes, weight tiles) split into about 64 tasks for parallel_for.
+struct Chunks {
+  int64_t items = 0, per_task = 1;
+
+  static Chunks of(int64_t items) { return {items, std::max<int64_t>(1, items / 64)}; }
+  size_t tasks() const { return static_cast<size_t>((items + per_task - 1) / per_task); }
+  int64_t first(size_t task) const { return static_cast<int64_t>(task) * per_task; }
+  int64_t last(size_t task) const { return std::min(first(task) + per_task, items); }
+};
+
 inline OrtStatus* check_same_shape(const Tensor& t, const Tensor& x, const char* op, const char* name) {
   bool same = t.rank == x.rank;
   for (size_t i = 0; same && i < x.rank; ++i) same = t.dims[i] == x.dims[i];
