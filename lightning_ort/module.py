@@ -124,12 +124,14 @@ class ORTModule(nn.Module):
             from the first call (where the model allows), so the first graph already serves every size: with
             padded batches of changing length, the first build is the only one, instead of a static graph first
             and a dynamic one when a second length comes. Block graphs stay. Not with ``dynamic=False``.
-        attention: where ``F.scaled_dot_product_attention`` runs. ``"onnx"`` (default): its math path in the
-            ONNX Runtime graphs, the attention scores materialized and saved for the backward. ``"torch"``: SDPA
-            and its backward stay single PyTorch ops between ONNX Runtime partitions, so PyTorch's fused kernels
+        attention: where ``F.scaled_dot_product_attention`` runs. ``"onnx"``: its math path in the ONNX
+            Runtime graphs, the attention scores materialized and saved for the backward. ``"torch"``: SDPA and
+            its backward stay single PyTorch ops between ONNX Runtime partitions, so PyTorch's fused kernels
             (flash, memory-efficient, cuDNN on CUDA) compute them without materializing the scores; they are
-            not fallbacks (no warning, also under ``fallback="raise"``). Attention inside
-            ``nn.MultiheadAttention`` keeps its math path.
+            not fallbacks (no warning, also under ``fallback="raise"``). ``"auto"`` (default): ``"torch"`` on
+            CUDA, ``"onnx"`` on the CPU and under ``SessionSettings(cuda_graph=True)``
+            (:func:`~lightning_ort.options.attention_on`). Attention inside ``nn.MultiheadAttention`` keeps its
+            math path.
         conv_weight_grad: where the weight gradient of a convolution is computed. ONNX Runtime's public build has
             no convolution-gradient kernel, so the graphs build it from forward ops: the unfolded input (im2col)
             times the output gradient. ``"auto"`` (default): on CPU, a dense convolution whose kernel needs the
@@ -159,7 +161,7 @@ class ORTModule(nn.Module):
         dynamic: bool | None = None,
         blocks: Sequence[BlockSpec] | str | None = None,
         dynamic_axes: Mapping[str, Sequence[int]] | None = None,
-        attention: AttentionPath = "onnx",
+        attention: AttentionPath = "auto",
         conv_weight_grad: ConvWeightGrad = "auto",
     ) -> None:
         options = ModuleOptions.checked(
@@ -258,7 +260,8 @@ class ORTModule(nn.Module):
 
     @property
     def attention(self) -> AttentionPath:
-        """Where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (in the graphs) or ``"torch"``."""
+        """Where ``F.scaled_dot_product_attention`` runs: ``"auto"`` (by the device), ``"onnx"`` (in the graphs)
+        or ``"torch"``."""
         return self._build_options.attention
 
     @property

@@ -28,10 +28,11 @@ CudaMemory = Literal["torch", "shared_arena", "session_arena"]
 
 CUDA_MEMORY: tuple[CudaMemory, ...] = ("torch", "shared_arena", "session_arena")
 
-AttentionPath = Literal["onnx", "torch"]
-"""Where ``F.scaled_dot_product_attention`` runs: translated into the ONNX graphs, or kept as one PyTorch op."""
+AttentionPath = Literal["auto", "onnx", "torch"]
+"""Where ``F.scaled_dot_product_attention`` runs: translated into the ONNX graphs, kept as one PyTorch op, or
+chosen by the device (:func:`attention_on`)."""
 
-ATTENTION_PATHS: tuple[AttentionPath, ...] = ("onnx", "torch")
+ATTENTION_PATHS: tuple[AttentionPath, ...] = ("auto", "onnx", "torch")
 
 ConvWeightGrad = Literal["auto", "onnx", "torch"]
 """Where a convolution's weight gradient is computed: chosen per layer, in the ONNX graphs, or by PyTorch's kernel."""
@@ -363,7 +364,7 @@ class ModuleOptions:
     dynamic: bool | None = None
     blocks: tuple[BlockSpec, ...] | Literal["auto"] | None = None
     dynamic_axes: dict[str, tuple[int, ...]] | None = None
-    attention: AttentionPath = "onnx"
+    attention: AttentionPath = "auto"
     conv_weight_grad: ConvWeightGrad = "auto"
 
     @classmethod
@@ -376,7 +377,7 @@ class ModuleOptions:
         dynamic: bool | None = None,
         blocks: Sequence[BlockSpec] | str | None = None,
         dynamic_axes: Mapping[str, Sequence[int] | int] | None = None,
-        attention: str = "onnx",
+        attention: str = "auto",
         conv_weight_grad: str = "auto",
     ) -> ModuleOptions:
         """The options, each checked and in one form.
@@ -412,7 +413,7 @@ def parse_attention(value: str) -> AttentionPath:
 
     Raises:
         TypeError: ``value`` is not a string.
-        ValueError: ``value`` is not ``"onnx"`` or ``"torch"``.
+        ValueError: ``value`` is not ``"auto"``, ``"onnx"`` or ``"torch"``.
 
     Example:
         >>> parse_attention("torch")
@@ -422,9 +423,27 @@ def parse_attention(value: str) -> AttentionPath:
         "attention",
         value,
         ATTENTION_PATHS,
-        "'onnx' (default) exports attention's math into the graphs, "
+        "'auto' (default) chooses by the device, 'onnx' exports attention's math into the graphs, "
         "'torch' keeps F.scaled_dot_product_attention as PyTorch's fused kernels.",
     )
+
+
+def attention_on(attention: AttentionPath, device_type: str, cuda_graph: bool) -> Literal["onnx", "torch"]:
+    """Where attention runs on a device of ``device_type``: ``attention`` itself unless it is ``"auto"``.
+
+    ``"auto"`` keeps SDPA as PyTorch's fused kernels on CUDA, where they take less time and memory than the
+    exported math (the performance page measures both), and exports it on the CPU, where ONNX Runtime's
+    kernels are the faster, and under CUDA graphs, which capture whole graphs.
+
+    Example:
+        >>> attention_on("auto", "cuda", cuda_graph=False), attention_on("auto", "cpu", cuda_graph=False)
+        ('torch', 'onnx')
+        >>> attention_on("auto", "cuda", cuda_graph=True), attention_on("torch", "cpu", cuda_graph=False)
+        ('onnx', 'torch')
+    """
+    if attention != "auto":
+        return attention
+    return "torch" if device_type == "cuda" and not cuda_graph else "onnx"
 
 
 def parse_conv_weight_grad(value: str) -> ConvWeightGrad:

@@ -11,7 +11,8 @@ import torch
 import lightning_ort.engine.runtime.session as session_module
 from lightning_ort import CudaGraphWarning, ORTModule, SessionSettings
 from lightning_ort.engine.runtime import cuda_memory
-from lightning_ort.options import CUDA_MEMORY, CudaMemory
+from lightning_ort.engine.torch_internals import FUSED_ATTENTION
+from lightning_ort.options import CUDA_MEMORY, AttentionPath, CudaMemory
 from tests.helpers import assert_grads_close, assert_outputs_close, clone_inputs, weighted_loss
 from tests.zoo import CASES, Case, CausalLM
 
@@ -162,14 +163,16 @@ def test_the_callback_bridge_trains_as_eager(monkeypatch: pytest.MonkeyPatch) ->
     torch.testing.assert_close(wrapped(ids), eager(ids), rtol=1e-4, atol=1e-4)
 
 
-def test_attention_in_pytorch_trains_as_eager_on_cuda() -> None:
-    # SDPA runs as PyTorch's fused CUDA kernels (flash or memory-efficient) between ONNX Runtime partitions.
+@pytest.mark.parametrize("attention", ["torch", "auto"])
+def test_attention_in_pytorch_trains_as_eager_on_cuda(attention: AttentionPath) -> None:
+    # SDPA runs as PyTorch's fused CUDA kernels (flash or memory-efficient) between ONNX Runtime partitions, by
+    # request and by default ("auto" on CUDA).
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     torch.manual_seed(0)
     eager = transformers.GPT2LMHeadModel(config).cuda()
-    wrapped = ORTModule(copy.deepcopy(eager), attention="torch", fallback="raise")
+    wrapped = ORTModule(copy.deepcopy(eager), attention=attention, fallback="raise")
     ids = torch.randint(0, 128, (2, 16), device="cuda")
     expected, actual = eager(input_ids=ids, labels=ids).loss, wrapped(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
@@ -177,6 +180,9 @@ def test_attention_in_pytorch_trains_as_eager_on_cuda() -> None:
     actual.backward()
     assert_grads_close(wrapped, eager)
     assert wrapped.statistics.fallback_ops == 0 and wrapped.providers[0] == "CUDAExecutionProvider"
+    with torch.profiler.profile() as profile:
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+    assert {event.name for event in profile.events()} & {op.name() for op in FUSED_ATTENTION}
 
 
 def _recorded_sessions(monkeypatch: pytest.MonkeyPatch) -> list[session_module.GraphSession]:
@@ -249,14 +255,14 @@ def test_graphs_with_symbolic_sizes_run_uncaptured_and_say_why() -> None:
     assert wrapped.statistics.forward_runs == 1
 
 
-def test_onnx_runtime_runs_on_pytorchs_default_stream_without_waiting_for_the_gpu() -> None:
-    """PyTorch's default stream has handle 0, which ONNX Runtime reads as no stream given: it then ran on a stream
-    of its own and synchronised it at the end of every run (an H100 profile counted one wait per run). On the
-    default stream, a training step leaves the host free to run ahead of the GPU."""
+@pytest.mark.parametrize("memory", CUDA_MEMORY)
+def test_onnx_runtime_runs_on_pytorchs_default_stream_without_waiting_for_the_gpu(memory: CudaMemory) -> None:
+    """Each memory route runs on PyTorch's default stream (named as ``cudaStreamLegacy``, or, beside PyTorch's
+    allocator, taken by ONNX Runtime itself), so a training step leaves the host free to run ahead of the GPU."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    wrapped = ORTModule(CausalLM().cuda())
+    wrapped = ORTModule(CausalLM().cuda(), session_settings=SessionSettings(cuda_memory=memory))
     ids = torch.randint(0, 64, (2, 16), device="cuda")
     for _ in range(2):
         wrapped(ids).float().logsumexp(-1).mean().backward()

@@ -47,12 +47,12 @@ def run_memory_study(
     device: torch.device,
     steps: int,
     precision: str = "fp32",
-    attention: AttentionPath = "onnx",
+    attention: AttentionPath = "auto",
 ) -> list[MemoryRun]:
     """Eager, then ORTModule under each route of ``routes`` (the shared arena last) with ``attention``, on
     ``workload`` under ``precision`` (as ``run --precision``)."""
     ordered = sorted(dict.fromkeys(routes), key=lambda route: route == "shared_arena")
-    suffix = "" if attention == "onnx" else f"/attention={attention}"
+    suffix = "" if attention == "auto" else f"/attention={attention}"
     names = ["eager", *(f"ort/cuda_memory={route}{suffix}" for route in ordered)]
     return [_train(name, workload, device, steps, precision) for name in names]
 

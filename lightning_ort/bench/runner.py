@@ -579,7 +579,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
         "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
-        "attention=onnx|torch, cuda_graph=on|off, conv_weight_grad=auto|onnx|torch, blocks=auto|none "
+        "attention=auto|onnx|torch, cuda_graph=on|off, conv_weight_grad=auto|onnx|torch, blocks=auto|none "
         "(ort/attention=torch/cuda_memory=shared_arena)",
     )
     timed.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
@@ -651,7 +651,7 @@ def _parser() -> argparse.ArgumentParser:
     memory.add_argument("--module", help="your own workload instead: package.module:factory")
     memory.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
     memory.add_argument(
-        "--attention", choices=ATTENTION_PATHS, default="onnx", help="ORTModule's attention path (default onnx)"
+        "--attention", choices=ATTENTION_PATHS, default="auto", help="ORTModule's attention path (default auto)"
     )
 
     table = studies.add_parser(

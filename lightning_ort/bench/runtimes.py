@@ -97,7 +97,7 @@ class Runner:
         elif name.split("/")[0] == "ort":
             variant = ort_variant(name)
             memory = cast(CudaMemory, variant.get("cuda_memory", "torch"))
-            attention = cast(AttentionPath, variant.get("attention", "onnx"))
+            attention = cast(AttentionPath, variant.get("attention", "auto"))
             weight_grad = cast(ConvWeightGrad, variant.get("conv_weight_grad", "auto"))
             settings = SessionSettings(cuda_memory=memory, cuda_graph=variant.get("cuda_graph") == "on")
             self.model = ORTModule(

@@ -67,9 +67,9 @@ class ORTConfig:
             :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
         release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
             run (see :class:`~lightning_ort.SessionSettings`).
-        attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs) or
-            ``"torch"`` (PyTorch's fused kernels between ONNX Runtime partitions; see
-            :class:`~lightning_ort.ORTModule`).
+        attention: where ``F.scaled_dot_product_attention`` runs: ``"auto"`` (PyTorch's fused kernels on CUDA,
+            its math in the graphs on CPU), ``"onnx"`` (its math in the graphs) or ``"torch"`` (PyTorch's fused
+            kernels between ONNX Runtime partitions; see :class:`~lightning_ort.ORTModule`).
         conv_weight_grad: where convolutions' weight gradients are computed: ``"auto"`` (PyTorch's kernel where
             it is faster, on CPU), ``"onnx"`` or ``"torch"`` (see :class:`~lightning_ort.ORTModule`).
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator), ``"shared_arena"``
@@ -119,7 +119,7 @@ class ORTConfig:
     release_torch_threads: bool = True
     cuda_memory: CudaMemory = "torch"
     cuda_graph: bool = False
-    attention: AttentionPath = "onnx"
+    attention: AttentionPath = "auto"
     conv_weight_grad: ConvWeightGrad = "auto"
     fallback: Fallback = "auto"
     cache_dir: str | os.PathLike[str] | None = None

@@ -66,7 +66,7 @@ def test_the_fused_kernels_run_in_pytorch_and_the_math_path_is_not_exported() ->
             return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 
     fused_names = {op.name() for op in FUSED_ATTENTION}
-    for attention, fused in (("torch", True), ("onnx", False)):
+    for attention, fused in (("torch", True), ("onnx", False), ("auto", False)):  # auto: the math on CPU
         wrapped = ORTModule(Attention(), attention=attention)
         wrapped(torch.randn(2, 5, 16)).backward()  # built
         with torch.profiler.profile() as profile:
@@ -77,8 +77,9 @@ def test_the_fused_kernels_run_in_pytorch_and_the_math_path_is_not_exported() ->
 
 
 def test_attention_path_is_checked_and_reaches_every_entry_point() -> None:
-    with pytest.raises(ValueError, match="attention='fused' is not one of 'onnx', 'torch'"):
+    with pytest.raises(ValueError, match="attention='fused' is not one of 'auto', 'onnx', 'torch'"):
         ORTModule(nn.Linear(2, 2), attention="fused")  # type: ignore[arg-type]
-    assert ORTModule(nn.Linear(2, 2)).attention == "onnx"
+    assert ORTModule(nn.Linear(2, 2)).attention == "auto"
+    assert ORTConfig().module_options.attention == backend_options({}).attention == "auto"
     assert ORTConfig(attention="torch").module_options.attention == "torch"
     assert backend_options({"attention": "torch"}).attention == "torch"

@@ -15,6 +15,7 @@ is reused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ from lightning_ort.errors import (
     first_line,
 )
 from lightning_ort.logs import ScopedFilter, get_logger
+from lightning_ort.options import attention_on
 
 if TYPE_CHECKING:
     from lightning_ort.engine.torch_internals import AOTDispatchCompiler
@@ -121,13 +123,14 @@ class CapturedGraph:
         self._owner = owner
         self._device = _graph_device(example_inputs, owner)
         self._tag = tag
-        self._options = options
+        attention = attention_on(options.attention, self._device.type, options.settings.cuda_graph)
+        self._options = dataclasses.replace(options, attention=attention)
         self._build_log = build_log
         self._backward_failure: ExportError | SessionError | None = None
         self._symbolic = any(is_symbolic(value) for value in example_inputs)
         self._blocks = blocks if blocks is not None else BlockGraphs()
         self._names = names if names is not None else GraphNames()
-        self._builder = GraphBuilder(owner, self._device, options, build_log, self._blocks, self._symbolic)
+        self._builder = GraphBuilder(owner, self._device, self._options, build_log, self._blocks, self._symbolic)
         self.runners: list[tuple[str, GraphRunner]] = []
 
     def compile(self) -> Callable[..., Any]:

@@ -312,7 +312,7 @@ def backend_options(options: Mapping[str, Any]) -> BuildOptions:
         DebugOptions(**{k: v for k, v in options.items() if k in debug_fields}),
         parse_fallback(options.get("fallback", "auto")),
         DiskCache(cache_dir) if cache_dir is not None else None,
-        parse_attention(options.get("attention", "onnx")),
+        parse_attention(options.get("attention", "auto")),
         parse_conv_weight_grad(options.get("conv_weight_grad", "auto")),
     )
 

@@ -53,8 +53,9 @@ class BuildOptions:
         fallback: ``"auto"`` runs ops ONNX cannot express in PyTorch (and code TorchDynamo cannot trace in
             PyTorch between graphs), warning once; ``"raise"`` makes both an error.
         disk_cache: where exported graphs are saved and looked up, or ``None``.
-        attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs) or
-            ``"torch"`` (its fused kernels, between ONNX Runtime partitions).
+        attention: where ``F.scaled_dot_product_attention`` runs: ``"onnx"`` (its math in the graphs),
+            ``"torch"`` (its fused kernels, between ONNX Runtime partitions) or ``"auto"`` (by the device, which
+            :class:`~lightning_ort.engine.capture.aot.CapturedGraph` resolves).
         conv_weight_grad: where convolutions' weight gradients are computed (see
             :func:`~lightning_ort.engine.fx.decompositions.weight_grad_in_torch`).
     """
@@ -63,7 +64,7 @@ class BuildOptions:
     debug: DebugOptions = field(default_factory=DebugOptions)
     fallback: Fallback = "auto"
     disk_cache: DiskCache | None = None
-    attention: AttentionPath = "onnx"
+    attention: AttentionPath = "auto"
     conv_weight_grad: ConvWeightGrad = "auto"
 
 

@@ -86,17 +86,46 @@ def stream_handle(stream: Any) -> int:
     return int(stream.cuda_stream) or CUDA_STREAM_LEGACY
 
 
+def allocates_from_pytorch(cuda_options: dict[str, str]) -> bool:
+    """Whether CUDA provider options hand ONNX Runtime an external allocator (``cuda_memory="torch"``).
+
+    ONNX Runtime's CUDA provider then runs on CUDA's legacy default stream, which is PyTorch's default stream,
+    and refuses a ``user_compute_stream`` beside it (it falls back to the CPU provider).
+
+    Example:
+        >>> allocates_from_pytorch({"gpu_external_alloc": "1", "gpu_external_free": "2"})
+        True
+    """
+    return "gpu_external_alloc" in cuda_options
+
+
+def stream_options(cuda_options: dict[str, str], stream: Any) -> dict[str, str]:
+    """The ``user_compute_stream`` option that makes a session with ``cuda_options`` run on ``stream``; none
+    where the options allocate from PyTorch (:func:`allocates_from_pytorch`: ``stream`` is then PyTorch's
+    default stream, the one ONNX Runtime takes by itself).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> stream_options({}, SimpleNamespace(cuda_stream=0))
+        {'user_compute_stream': '1'}
+        >>> stream_options({"gpu_external_alloc": "1", "gpu_external_free": "2"}, SimpleNamespace(cuda_stream=0))
+        {}
+    """
+    return {} if allocates_from_pytorch(cuda_options) else {"user_compute_stream": str(stream_handle(stream))}
+
+
 def providers_for(
     device: torch.device, settings: SessionSettings, capture: torch.cuda.Stream | None = None
 ) -> list[str | tuple[str, dict[str, str]]]:
     """Execution providers for a graph whose tensors live on ``device``; on CUDA, ``capture`` is the stream of a
     session whose graph is captured as a CUDA graph (see :mod:`~lightning_ort.engine.runtime.cuda_graph`)."""
     if device.type == "cuda":
+        memory = capture_provider_options() if capture is not None else cuda_provider_options(settings.cuda_memory)
         options = {
             "device_id": str(_device_index(device)),
-            "user_compute_stream": str(stream_handle(_run_stream(device, capture))),
+            **stream_options(memory, _run_stream(device, capture, memory)),
             "use_tf32": "1" if torch_allows_tf32_matmul() else "0",
-            **(capture_provider_options() if capture is not None else cuda_provider_options(settings.cuda_memory)),
+            **memory,
         }
         names = list(settings.providers) if settings.providers else ["CUDAExecutionProvider", "CPUExecutionProvider"]
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -240,12 +269,20 @@ class GraphSession:
     def _create(
         model: onnx.ModelProto, options: ort.SessionOptions, providers: list[str | tuple[str, dict[str, str]]]
     ) -> ort.InferenceSession:
-        return ort.InferenceSession(
+        session = ort.InferenceSession(
             model.SerializeToString(),
             sess_options=options,
             providers=providers,
             disabled_optimizers=list(DISABLED_ORT_OPTIMIZERS),
         )
+        cuda_options = _cuda_options(providers)
+        if cuda_options is not None and "CUDAExecutionProvider" not in session.get_providers():
+            # onnxruntime.InferenceSession prints why the provider failed, then retries with the CPU provider.
+            raise RuntimeError(
+                f"ONNX Runtime could not create its CUDA execution provider with the options {cuda_options} and "
+                "fell back to the CPU provider; its 'EP Error' message above says why"
+            )
+        return session
 
     @property
     def captured(self) -> bool:
@@ -427,16 +464,35 @@ def _warn_uncaptured(graph: ExportedGraph, reason: str) -> None:
 def _session_stream(
     providers: list[str | tuple[str, dict[str, str]]], device: torch.device, capture: torch.cuda.Stream | None
 ) -> torch.cuda.Stream | None:
-    """The CUDA stream the session runs on (:func:`_run_stream`, which :func:`providers_for` named to ONNX
+    """The CUDA stream the session runs on (:func:`_run_stream`, the one :func:`providers_for` gave ONNX
     Runtime); ``None`` without the CUDA provider."""
-    if device.type != "cuda" or "CUDAExecutionProvider" not in _names(providers):
+    cuda_options = _cuda_options(providers)
+    if device.type != "cuda" or cuda_options is None:
         return None
-    return _run_stream(device, capture)
+    return _run_stream(device, capture, cuda_options)
 
 
-def _run_stream(device: torch.device, capture: torch.cuda.Stream | None) -> torch.cuda.Stream:
-    """``capture`` for a session whose graph is captured, else PyTorch's current stream on ``device``."""
-    return capture if capture is not None else torch.cuda.current_stream(device)
+def _cuda_options(providers: list[str | tuple[str, dict[str, str]]]) -> dict[str, str] | None:
+    """The options ``providers`` give the CUDA execution provider; ``None`` where it is not among them.
+
+    Example:
+        >>> _cuda_options([("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"])
+        {'device_id': '0'}
+    """
+    named = [p if isinstance(p, tuple) else (p, {}) for p in providers]
+    return next((options for name, options in named if name == "CUDAExecutionProvider"), None)
+
+
+def _run_stream(
+    device: torch.device, capture: torch.cuda.Stream | None, cuda_options: dict[str, str]
+) -> torch.cuda.Stream:
+    """``capture`` for a session whose graph is captured; PyTorch's default stream on ``device`` for one that
+    allocates from PyTorch (ONNX Runtime runs those there and takes no other); else PyTorch's current stream."""
+    if capture is not None:
+        return capture
+    if allocates_from_pytorch(cuda_options):
+        return torch.cuda.default_stream(device)
+    return torch.cuda.current_stream(device)
 
 
 def _from_onnx_runtime(values: OrtValueVector, specs: Sequence[OutputSpec]) -> list[torch.Tensor]:
