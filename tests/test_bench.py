@@ -373,8 +373,16 @@ def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: 
     assert report.rows[0].max_abs_loss_diff < 1e-4
     assert report.rows[1].max_abs_loss_diff < 0.1, "bf16 autocast: eager and ORT round differently"
     assert report.lightning_workload == "mlp" and report.trainer_ms > 0 and report.plain_loop_ms > 0
-    out = capsys.readouterr().out
+    printed = capsys.readouterr()
+    out = printed.out
     assert "GPT-2 at --tiny's size" in out and "Trainer(strategy='ort')" in out and "the table took" in out
+    # each row also went to stderr as soon as it was measured, before the Lightning timing
+    assert [line.split()[:3] for line in printed.err.splitlines() if line.startswith(("mlp ", "gpt2 "))] == [
+        ["mlp", "fp32", "eager"],
+        ["mlp", "fp32", "ort"],
+        ["gpt2", "bf16", "eager"],
+        ["gpt2", "bf16", "ort"],
+    ]
     with pytest.raises(SystemExit):
         bench.main([*args, "--row", "gpt2/fp8"])
     assert "is not a row" in capsys.readouterr().err

@@ -66,7 +66,15 @@ from lightning_ort.bench.runtimes import (
     warmed_runner,
 )
 from lightning_ort.bench.shapes import ShapesReport, run_shapes_study
-from lightning_ort.bench.table import TABLE_ROWS, TABLE_RUNTIMES, TableReport, run_table, table_row, table_workload
+from lightning_ort.bench.table import (
+    TABLE_ROWS,
+    TABLE_RUNTIMES,
+    TableReport,
+    print_row,
+    run_table,
+    table_row,
+    table_workload,
+)
 from lightning_ort.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS, Workload, load_factory, synchronize
 from lightning_ort.engine.runtime.profiling import KernelProfile
 from lightning_ort.module import ORTModule
@@ -531,7 +539,7 @@ def run_table_study(args: argparse.Namespace, runtimes: Sequence[str], device: t
     """The ``table`` sub-command: its rows, then the Lightning timing on the first row's workload."""
     start = time.perf_counter()
     machine = _machine(args, device)
-    rows = run_table(args.row or TABLE_ROWS, runtimes, device, args.steps, args.warmup, args.tiny)
+    rows = run_table(args.row or TABLE_ROWS, runtimes, device, args.steps, args.warmup, args.tiny, print_row)
     report = TableReport(**machine, rows=rows, tiny=args.tiny)
     if not args.no_lightning:
         name, precision = table_row((args.row or TABLE_ROWS)[0])

@@ -8,7 +8,8 @@ device memory against eager's: PyTorch's peak allocated memory while the runtime
 the growth of the device memory held outside PyTorch's allocator, measured in this process, one runtime after
 another (the ``run`` study's fresh process per runtime would export and compile every model twice more). Its
 timed steps then alternate between the runtimes in blocks, as ``run``'s do. Last, ``Trainer(strategy="ort")``
-against a plain ORTModule loop on the first row's workload. The report ends with the time the whole table took.
+against a plain ORTModule loop on the first row's workload. The report ends with the time the whole table took;
+each row also goes to stderr as soon as it is measured, so that a run cut short by a time limit keeps it.
 
 ``--tiny`` shrinks GPT-2 (2 layers, width 64, 2 x 32 tokens) so that the command can be tried on a CPU before
 GPU time is spent on it; ``--row WORKLOAD/PRECISION`` and ``--runtime`` choose what runs.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import gc
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -138,18 +140,33 @@ def run_table_row(
 
 
 def run_table(
-    rows: Sequence[str], runtimes: Sequence[str], device: torch.device, steps: int, warmup: int, tiny: bool = False
+    rows: Sequence[str],
+    runtimes: Sequence[str],
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    tiny: bool = False,
+    on_row: Callable[[TableRow], None] | None = None,
 ) -> list[TableRow]:
-    """Each of ``rows`` (``WORKLOAD/PRECISION``) with ``runtimes``; the models of one row are freed before the
-    next is built, so that each row's peaks start from the same empty device."""
+    """Each of ``rows`` (``WORKLOAD/PRECISION``) with ``runtimes``, each handed to ``on_row`` as soon as it is
+    measured; the models of one row are freed before the next is built, so that each row's peaks start from the
+    same empty device."""
     results = []
     for spec in rows:
         name, precision = table_row(spec)
         workload = table_workload(name, device, tiny)
         results.append(run_table_row(workload, precision, runtimes, device, steps, warmup))
+        if on_row is not None:
+            on_row(results[-1])
         del workload
         gc.collect()
     return results
+
+
+def print_row(row: TableRow) -> None:
+    """Print one measured row to stderr at once (``table`` prints the whole table when it ends), so that a run
+    stopped by a time limit keeps the rows it measured."""
+    print("\n".join(format_table([row])), file=sys.stderr, flush=True)
 
 
 def format_table(rows: Sequence[TableRow]) -> list[str]:
