@@ -54,7 +54,7 @@ def test_quick_benchmark_runs_all_reference_workloads_and_a_user_module(tmp_path
             assert runtime["peak_memory_mib"] > 0
             assert runtime["pytorch_fallback"] == "", "a reference workload must run wholly in ONNX Runtime"
     assert report["workloads"][1]["matmul_gflop"] == pytest.approx(43, rel=0.1)
-    assert report["lightning"]["workload"] == "mlp"
+    assert report["lightning"]["workload"] == "mlp" and report["lightning"]["lightning_ms"] > 0
     assert report["inductor_cache"] == "cold"
     for line in ("vs eager", "x floor", "first step s", "peak MiB", "Trainer(strategy='ort')", "with a cold cache"):
         assert line in result.stdout
@@ -372,7 +372,9 @@ def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: 
             assert run.pytorch_fallback == ""
     assert report.rows[0].max_abs_loss_diff < 1e-4
     assert report.rows[1].max_abs_loss_diff < 0.1, "bf16 autocast: eager and ORT round differently"
-    assert report.lightning_workload == "mlp" and report.trainer_ms > 0 and report.plain_loop_ms > 0
+    light = report.lightning
+    assert light is not None and light.workload == "mlp"
+    assert light.trainer_ms > 0 and light.plain_loop_ms > 0 and light.lightning_ms > 0
     printed = capsys.readouterr()
     out = printed.out
     assert "GPT-2 at --tiny's size" in out and "Trainer(strategy='ort')" in out and "the table took" in out

@@ -53,7 +53,7 @@ from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
 from lightning_ort.bench.heap import HEAP_SETTINGS, apply_heap_setting
 from lightning_ort.bench.memory import MemoryReport, run_memory_study
-from lightning_ort.bench.report import Report
+from lightning_ort.bench.report import LightningResult, Report
 from lightning_ort.bench.runtimes import (
     PRECISIONS,
     RUNTIMES,
@@ -109,16 +109,6 @@ class WorkloadResult:
     floor_ms: float
     runtimes: dict[str, RuntimeResult]
     max_abs_loss_diff_ort: float
-
-
-@dataclass
-class LightningResult:
-    """``Trainer(strategy="ort")`` against a plain loop over the same ORTModule (median ms per step)."""
-
-    workload: str
-    plain_loop_ms: float
-    trainer_ms: float
-    overhead: float
 
 
 @dataclass
@@ -279,7 +269,8 @@ def profile_workload(
 def run_lightning(
     workload: Workload, device: torch.device, steps: int, warmup: int, precision: str = "fp32"
 ) -> LightningResult:
-    """Median step of ``Trainer(strategy="ort")`` and of a plain loop over an ORTModule of the same model."""
+    """Median step of ``Trainer(strategy="ort")``, of a plain loop over an ORTModule of the same model, and of a
+    ``Trainer`` with Lightning's default strategy over that ORTModule wrapped by hand (:class:`LightningResult`)."""
     import lightning.pytorch as pl
 
     class StepTimer(pl.Callback):
@@ -298,9 +289,10 @@ def run_lightning(
             self.times_ms.append((time.perf_counter() - self._start) * 1e3)
 
     class BenchModule(pl.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, wrapped: bool) -> None:
             super().__init__()
-            self.net = copy.deepcopy(workload.model)
+            net = copy.deepcopy(workload.model)
+            self.net = ORTModule(net, blocks="auto") if wrapped else net
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return workload.loss_fn(workload.forward(self.net))
@@ -319,24 +311,27 @@ def run_lightning(
     # The plain loop's steps are timed before and after the Trainer's, so that a machine that slows down or
     # speeds up during the run moves both figures alike.
     plain_ms = [plain.step() * 1e3 for _ in range(steps)]
-    timer = StepTimer()
-    trainer = pl.Trainer(
-        strategy="ort",
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        precision=LIGHTNING_PRECISIONS[precision],  # type: ignore[arg-type]
-        max_steps=steps + warmup + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-    )
-    trainer.fit(BenchModule())
+    medians = []
+    for strategy in ("ort", "auto"):
+        timer = StepTimer()
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=1,
+            precision=LIGHTNING_PRECISIONS[precision],  # type: ignore[arg-type]
+            max_steps=steps + warmup + 1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer],
+        )
+        trainer.fit(BenchModule(wrapped=strategy != "ort"))
+        medians.append(statistics.median(timer.times_ms[warmup + 1 :]))
     plain_ms += [plain.step() * 1e3 for _ in range(steps)]
-    trainer_ms = statistics.median(timer.times_ms[warmup + 1 :])
+    trainer_ms, lightning_ms = medians
     plain_median = statistics.median(plain_ms)
-    return LightningResult(workload.name, plain_median, trainer_ms, trainer_ms / plain_median - 1.0)
+    return LightningResult(workload.name, plain_median, trainer_ms, trainer_ms / plain_median - 1.0, lightning_ms)
 
 
 def _run_tables(report: BenchReport) -> list[str]:
@@ -362,13 +357,7 @@ def _run_tables(report: BenchReport) -> list[str]:
             f"max |loss eager - loss ORT| {result.max_abs_loss_diff_ort:.1e})"
         )
     if report.lightning is not None:
-        light = report.lightning
-        lines += [
-            "",
-            f"Lightning on {light.workload}: Trainer(strategy='ort') {light.trainer_ms:.2f} ms/step, plain ORTModule "
-            f"loop {light.plain_loop_ms:.2f} ms/step: {light.overhead:+.1%} "
-            f"({light.trainer_ms - light.plain_loop_ms:+.2f} ms)",
-        ]
+        lines += ["", report.lightning.line()]
     for profiled in report.profiles:
         profile = profiled.profile
         lines += [
@@ -543,8 +532,9 @@ def run_table_study(args: argparse.Namespace, runtimes: Sequence[str], device: t
     report = TableReport(**machine, rows=rows, tiny=args.tiny)
     if not args.no_lightning:
         name, precision = table_row((args.row or TABLE_ROWS)[0])
-        light = run_lightning(table_workload(name, device, args.tiny), device, args.steps, args.warmup, precision)
-        report.lightning_workload, report.plain_loop_ms, report.trainer_ms = name, light.plain_loop_ms, light.trainer_ms
+        report.lightning = run_lightning(
+            table_workload(name, device, args.tiny), device, args.steps, args.warmup, precision
+        )
     report.seconds = time.perf_counter() - start
     return report
 

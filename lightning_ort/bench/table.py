@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from typing_extensions import override
 
-from lightning_ort.bench.report import Report, peak_cells
+from lightning_ort.bench.report import LightningResult, Report, peak_cells
 from lightning_ort.bench.runtimes import (
     PRECISIONS,
     Runner,
@@ -206,9 +206,7 @@ class TableReport(Report):
     """The ``table`` study: every row with every runtime, the Lightning overhead, and how long it all took."""
 
     rows: list[TableRow] = field(default_factory=list)
-    lightning_workload: str = ""
-    plain_loop_ms: float = 0.0
-    trainer_ms: float = 0.0
+    lightning: LightningResult | None = None
     seconds: float = 0.0
     tiny: bool = False
 
@@ -220,11 +218,6 @@ class TableReport(Report):
     @override
     def body(self) -> list[str]:
         lines = format_table(self.rows)
-        if self.lightning_workload:
-            overhead = self.trainer_ms / self.plain_loop_ms - 1.0
-            lines += [
-                "",
-                f"Lightning on {self.lightning_workload}: Trainer(strategy='ort') {self.trainer_ms:.2f} ms/step, "
-                f"plain ORTModule loop {self.plain_loop_ms:.2f} ms/step: {overhead:+.1%}",
-            ]
+        if self.lightning is not None:
+            lines += ["", self.lightning.line()]
         return [*lines, "", f"the table took {self.seconds:.0f} s"]
