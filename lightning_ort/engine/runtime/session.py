@@ -1,7 +1,7 @@
 """Run an exported graph in an ``onnxruntime.InferenceSession`` directly on PyTorch memory.
 
 Inputs are bound to the data pointers of PyTorch tensors; outputs are bound to new PyTorch tensors on CUDA
-(where ONNX Runtime is told to use PyTorch's current stream, so no synchronisation is needed either) and, on CPU,
+(where ONNX Runtime runs on PyTorch's stream, so no synchronisation is needed either) and, on CPU,
 written into ONNX Runtime's arena and handed to PyTorch through DLPack. Nothing is copied on the way in or out.
 
 The binding goes through ONNX Runtime's pybind11 layer (see :mod:`~lightning_ort.engine.ort_internals`), the
