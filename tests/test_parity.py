@@ -43,6 +43,7 @@ def test_forward_and_backward_match_eager(case: Case) -> None:
 
     stats = wrapped.statistics
     assert (stats.forward_runs, stats.backward_runs) == (1, 1), "both passes must run in ONNX Runtime"
+    assert stats.fallback_ops == 0, "no op may fall back to PyTorch"
     assert stats.cache_misses == 1
 
 

@@ -8,12 +8,17 @@ each rewrite sees a gradient together with the forward op it belongs to.
   filled in) summed together. Stacking the pieces' gradients builds the same tensor in one write.
 * :func:`cancel_permutes`: a ``Linear``'s backward transposes the already transposed weight back
   (``t(t(W))``); saved for the backward graph, that identity permutation is a full copy of the weight.
+* :func:`reshape_dense_strides`: a channels-last model's pooled ``[N, C, 1, 1]`` features are restrided by an
+  ``as_strided`` view, whose gradient is an ``as_strided_scatter`` into zeros; where the strides are row-major
+  for the sizes, the view is a reshape and the scatter its source reshaped (ONNX has no translation for the
+  scatter, which would otherwise run in PyTorch between two ONNX Runtime partitions).
 
 :func:`move_saved_permutes` runs after partitioning, on the forward and backward graphs together.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +36,104 @@ def optimize_joint_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Apply every rewrite to ``gm`` in place and return it."""
     stacked = stack_select_gradients(gm)
     cancelled = cancel_permutes(gm)
-    if stacked or cancelled:
-        log.debug("stacked %d sums of select_backward, cancelled %d permutations", stacked, cancelled)
+    reshaped = reshape_dense_strides(gm)
+    if stacked or cancelled or reshaped:
+        log.debug(
+            "stacked %d sums of select_backward, cancelled %d permutations, made %d strided views reshapes",
+            stacked,
+            cancelled,
+            reshaped,
+        )
         gm.recompile()
     return gm
+
+
+def reshape_dense_strides(gm: torch.fx.GraphModule) -> int:
+    """Replace ``as_strided`` views and ``as_strided_scatter`` writes that lay a whole tensor out in row-major
+    order by reshapes.
+
+    ``model.to(memory_format=torch.channels_last)``, which PyTorch's CPU performance guide advises for
+    convolutional nets, gives a global average pool's ``[N, C, 1, 1]`` output channels-last strides; AOTAutograd
+    restrides it with ``as_strided`` before the head flattens it, and the gradient of that view is an
+    ``as_strided_scatter`` of the head's gradient into a zero tensor. ONNX has no translation for the scatter. With
+    offset 0, as many elements as the tensor and strides that are row-major for the sizes (a dimension of size 1
+    may have any stride), the view reads the (contiguous) input in order, and the scatter overwrites every element
+    of its (contiguous) base in order: a reshape of the input, and a reshape of the scattered source. Returns the
+    number of nodes replaced.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> graph = torch.fx.Graph()
+        >>> base, grad = graph.placeholder("base"), graph.placeholder("grad")
+        >>> scatter = graph.call_function(aten.as_strided_scatter.default, (base, grad, [2, 3], [3, 1], 0))
+        >>> _ = graph.output(graph.call_function(aten.as_strided.default, (scatter, [2, 3, 1, 1], [3, 1, 3, 3])))
+        >>> with FakeTensorMode():
+        ...     base.meta["val"], grad.meta["val"] = torch.zeros(6), torch.empty(2, 3)
+        >>> gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        >>> reshape_dense_strides(gm)
+        2
+        >>> [(n.target.__name__, n.args[1]) for n in gm.graph.nodes if n.op == "call_function"]
+        [('reshape.default', [6]), ('reshape.default', [2, 3, 1, 1])]
+    """
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.as_strided.default, aten.as_strided_scatter.default):
+            continue
+        scatter = node.target is aten.as_strided_scatter.default
+        base = node.args[0]
+        layout = node.args[2:] if scatter else node.args[1:]
+        size, stride = layout[0], layout[1]
+        offset = layout[2] if len(layout) > 2 else node.kwargs.get("storage_offset")
+        if not isinstance(base, torch.fx.Node) or offset not in (0, None) or not _row_major(size, stride):
+            continue
+        base_value = base.meta.get("val")
+        if not isinstance(base_value, torch.Tensor) or not all(isinstance(d, int) for d in base_value.shape):
+            continue
+        if not base_value.is_contiguous():
+            continue
+        if base_value.numel() != math.prod(size):
+            continue
+        if scatter:
+            written = node.args[1]
+            value = written.meta.get("val") if isinstance(written, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or list(value.shape) != list(size):
+                continue
+            if value.dtype != base_value.dtype:
+                continue
+            reshaped, shape = written, list(base_value.shape)
+        else:
+            reshaped, shape = base, list(size)
+        with gm.graph.inserting_before(node):
+            reshape = gm.graph.call_function(aten.reshape.default, (reshaped, shape))
+        reshape.meta = {**node.meta, "val": _reshaped_value(reshaped.meta["val"], shape)}
+        node.replace_all_uses_with(reshape)
+        gm.graph.erase_node(node)
+        if scatter and base.op == "call_function" and not base.users:
+            gm.graph.erase_node(base)
+        replaced += 1
+    return replaced
+
+
+def _row_major(size: object, stride: object) -> bool:
+    """Whether ``stride`` (static) is the row-major layout of ``size``, ignoring the stride of size-1 dimensions."""
+    if not isinstance(size, (list, tuple)) or not isinstance(stride, (list, tuple)) or len(size) != len(stride):
+        return False
+    if not all(isinstance(value, int) for value in (*size, *stride)):
+        return False
+    expected = 1
+    for extent, step in zip(reversed(size), reversed(stride), strict=True):
+        if extent != 1 and step != expected:
+            return False
+        expected *= extent
+    return True
+
+
+def _reshaped_value(value: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    fake_mode = detect_fake_mode([value])
+    if fake_mode is None:
+        return value.reshape(shape)
+    with fake_mode:
+        return value.reshape(shape)
 
 
 def cancel_permutes(gm: torch.fx.GraphModule) -> int:
