@@ -27,6 +27,7 @@ from lightning_ort.engine.fx.decompositions import (
     threshold_backward,
 )
 from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
+from lightning_ort.options import ConvWeightGrad
 
 aten = torch.ops.aten
 
@@ -184,12 +185,54 @@ def test_depthwise_weight_gradient_moves_no_axis(stride: int) -> None:
     torch.testing.assert_close(backward(gy, x, w)[1], expected[1], rtol=1e-4, atol=1e-5)
 
 
-def test_respects_output_mask_and_declines_transposed() -> None:
+def test_respects_output_mask() -> None:
     x, w = torch.randn(2, 4, 6), torch.randn(5, 4, 3)
     gy = torch.randn(2, 5, 4)
     grads = convolution_backward(gy, x, w, None, [1], [0], [1], False, [0], 1, [False, True, False])
     assert grads[0] is None and grads[2] is None and grads[1].shape == w.shape
-    assert convolution_backward(gy, x, w, None, [1], [0], [1], True, [0], 1, [True, True, True]) is NotImplemented
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "stride", "padding", "dilation", "output_padding", "groups"),
+    [
+        ((2, 4, 7), (4, 3, 3), [2], [1], [1], [1], 1),
+        ((2, 4, 5, 5), (4, 3, 3, 3), [2, 2], [1, 1], [1, 1], [1, 1], 2),
+        ((2, 4, 5, 6), (4, 2, 2, 2), [2, 2], [0, 0], [1, 1], [0, 0], 1),
+        ((2, 2, 4, 4), (2, 3, 3, 3), [1, 2], [2, 1], [2, 1], [0, 1], 1),
+        ((1, 2, 3, 3, 3), (2, 2, 3, 3, 3), [2, 2, 2], [1, 1, 1], [1, 1, 1], [1, 0, 1], 1),
+    ],
+)
+@pytest.mark.parametrize("path", ["onnx", "torch"])
+def test_transposed_convolution_gradients_match_aten(
+    x_shape: tuple[int, ...],
+    w_shape: tuple[int, ...],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    output_padding: list[int],
+    groups: int,
+    path: ConvWeightGrad,
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*x_shape, generator=g), torch.randn(*w_shape, generator=g)
+    y = aten.convolution(x, w, None, stride, padding, dilation, True, output_padding, groups)
+    gy = torch.randn(y.shape, generator=g)
+    args = ([w_shape[1] * groups], stride, padding, dilation, True, output_padding, groups)
+    for mask in ([True, True, True], [True, False, False], [False, True, False], [False, False, True]):
+        ours = convolution_backward(gy, x, w, *args, mask, weight_grad_path=path)
+        expected = aten.convolution_backward(gy, x, w, *args, mask)
+        for index, wanted in enumerate(mask):
+            if wanted:
+                torch.testing.assert_close(ours[index], expected[index], rtol=1e-4, atol=1e-4)
+            else:
+                assert ours[index] is None
+
+
+def test_declines_transposed_output_padding_past_the_stride() -> None:
+    x, w = torch.randn(2, 2, 5, 5), torch.randn(2, 4, 3, 3)
+    y = aten.convolution(x, w, None, [2, 2], [0, 0], [3, 3], True, [2, 2], 1)
+    args = ([2, 2], [0, 0], [3, 3], True, [2, 2], 1, [True, True, True])
+    assert convolution_backward(torch.randn(y.shape), x, w, None, *args) is NotImplemented
 
 
 def test_table_covers_ops_without_onnx_translation() -> None:

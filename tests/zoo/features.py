@@ -61,6 +61,22 @@ class ChannelsLastCNN(nn.Module):
         return self.net(x)
 
 
+class UpsamplingDecoder(nn.Module):
+    """A U-Net step: a strided encoder convolution, a transposed convolution back up (one with
+    ``output_padding``, one grouped), GroupNorm and SiLU, and the skip concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.GroupNorm(4, 8), nn.SiLU())
+        self.up = nn.ConvTranspose2d(8, 8, 3, stride=2, padding=1, output_padding=1)
+        self.grouped = nn.ConvTranspose2d(8, 4, 2, stride=2, groups=2, bias=False)
+        self.out = nn.Conv2d(11, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(x)
+        return self.out(torch.cat([self.up(h), x], dim=1)) + self.grouped(h).mean(dim=1, keepdim=True)
+
+
 class TransformerClassifier(nn.Module):
     """``nn.TransformerEncoder`` stack with embedding and head: the model onnxruntime-training failed on."""
 
@@ -293,6 +309,7 @@ CASES = [
             {"padding_mask": torch.arange(10).expand(3, 10) >= torch.tensor([[10], [7], [4]])},
         ),
     ),
+    Case("conv_transpose_decoder", UpsamplingDecoder, lambda g: ((_randn(g, 2, 3, 8, 8, grad=True),), {})),
     Case("causal_lm", CausalLM, lambda g: ((torch.randint(0, 64, (2, 16), generator=g),), {})),
     Case(
         "multi_input_kwargs",

@@ -7,10 +7,11 @@ Core ATen decompositions, plus:
   (ONNX Runtime's training-mode ``BatchNormalization`` is no faster on CPU, and does not give the centred
   input that the backward reuses);
 * ``aten.convolution_backward`` (no ONNX translation) as a convolution with the flipped kernel (stride 1) or a
-  transposed convolution for the input gradient, an im2col matrix product for the weight gradient and a sum
-  for the bias gradient; on small CPU images, products with a 0/1 selection matrix unfold the input and fold
-  the input gradient back; where ``conv_weight_grad`` chooses PyTorch's kernel for a layer's weight gradient
-  (:func:`weight_grad_in_torch`), that gradient stays one ``convolution_backward`` op;
+  transposed convolution for the input gradient (a transposed convolution's: the convolution it is the adjoint
+  of), an im2col matrix product for the weight gradient and a sum for the bias gradient; on small CPU images,
+  products with a 0/1 selection matrix unfold the input and fold the input gradient back; where
+  ``conv_weight_grad`` chooses PyTorch's kernel for a layer's weight gradient (:func:`weight_grad_in_torch`),
+  that gradient stays one ``convolution_backward`` op;
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
@@ -62,10 +63,12 @@ def convolution_backward(
     weight_grad_path: ConvWeightGrad = "onnx",
     phases: bool = False,
 ) -> Any:
-    """Gradients of a (non-transposed) N-d convolution expressed with forward convolutions.
+    """Gradients of an N-d convolution expressed with forward convolutions.
 
-    With ``phases``, the input gradient of a stride-2 layer is four stride-1 convolutions woven together by
-    lightning_ort's CPU kernel (:func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`) where that applies.
+    A transposed convolution's gradients come from the convolution it is the adjoint of
+    (:func:`_transposed_convolution_backward`). With ``phases``, the input gradient of a stride-2 layer is four
+    stride-1 convolutions woven together by lightning_ort's CPU kernel
+    (:func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`) where that applies.
 
     Where ``weight_grad_path`` leaves a layer's weight gradient to PyTorch's kernel (:func:`weight_grad_in_torch`),
     that gradient is ``aten.convolution_backward`` asking for it alone, which this decomposition then leaves
@@ -80,7 +83,9 @@ def convolution_backward(
         True
     """
     if transposed:
-        return NotImplemented
+        return _transposed_convolution_backward(
+            grad_output, input, weight, stride, padding, dilation, output_padding, groups, output_mask, weight_grad_path
+        )
     torch_weight = output_mask[1] and weight_grad_in_torch(input, weight, padding, groups, weight_grad_path)
     if torch_weight and not output_mask[0] and not output_mask[2]:
         return NotImplemented
@@ -95,6 +100,54 @@ def convolution_backward(
         )[1]
     elif output_mask[1]:
         grad_weight = _weight_grad(grad_output, input, weight, stride, padding, dilation, groups)
+    if output_mask[2]:
+        grad_bias = grad_output.sum(dim=[0, *range(2, 2 + spatial)])
+    return grad_input, grad_weight, grad_bias
+
+
+def _transposed_convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+    weight_grad_path: ConvWeightGrad,
+) -> Any:
+    """Gradients of a transposed convolution (``nn.ConvTranspose2d``: U-Net decoders, GAN generators).
+
+    A transposed convolution with weight ``W`` is the adjoint of the convolution with ``W`` at the same stride,
+    padding, dilation and groups. Its input gradient is therefore that convolution of the output gradient, and its
+    weight gradient is that convolution's weight gradient with the roles swapped: the output gradient as the
+    convolution's input, the transposed convolution's input as its output gradient (left to PyTorch's kernel
+    where ``weight_grad_path`` chooses it, as for any convolution). That holds where ``output_padding`` is below
+    the stride, so that the convolution of the output gradient has exactly the input's size; other layers keep
+    ``aten.convolution_backward`` (``NotImplemented``), which runs in PyTorch.
+
+    Example:
+        >>> x, w = torch.randn(2, 4, 5, 5), torch.randn(4, 3, 3, 3)
+        >>> gy = torch.randn(2, 6, 10, 10)
+        >>> args = ([6], [2, 2], [1, 1], [1, 1], True, [1, 1], 2, [True, True, True])
+        >>> ours = convolution_backward(gy, x, w, *args)
+        >>> ref = aten.convolution_backward(gy, x, w, *args)
+        >>> all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ours, ref))
+        True
+    """
+    if any(extra >= step for extra, step in zip(output_padding, stride, strict=True)):
+        return NotImplemented
+    spatial = len(stride)
+    no_padding = [0] * spatial
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        grad_input = aten.convolution(grad_output, weight, None, stride, padding, dilation, False, no_padding, groups)
+    if output_mask[1]:
+        adjoint = (input, grad_output, weight, None, stride, padding, dilation, False, no_padding, groups)
+        only_weight = [False, True, False]
+        grads = convolution_backward(*adjoint, only_weight, weight_grad_path)
+        grad_weight = (aten.convolution_backward(*adjoint, only_weight) if grads is NotImplemented else grads)[1]
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *range(2, 2 + spatial)])
     return grad_input, grad_weight, grad_bias
