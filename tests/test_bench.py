@@ -85,6 +85,17 @@ def test_matmul_flops_of_the_mlp_step() -> None:
     assert bench.step_matmul_flops(workload) == forward + backward
 
 
+@pytest.mark.parametrize(("groups", "transposed"), [(1, False), (48, False), (4, True)])
+def test_matmul_flops_of_a_convolution_step_count_each_gradient_as_the_forward(groups: int, transposed: bool) -> None:
+    layer = nn.ConvTranspose2d if transposed else nn.Conv2d
+    model = layer(48, 48, 3, stride=2 if transposed else 1, padding=1, groups=groups, bias=False)
+    images = torch.randn(4, 48, 8, 8, requires_grad=True)
+    workload = bench_workloads.Workload("conv", model, (images,), lambda out: out.sum())
+    # The 8x8 positions of the convolution's output (of the transposed convolution's input) meet every weight once.
+    forward = 2 * 4 * 8 * 8 * 48 * (48 // groups) * 9
+    assert bench.step_matmul_flops(workload) == 3 * forward, "forward, input gradient and weight gradient"
+
+
 def test_module_spec_errors_name_the_expected_form() -> None:
     with pytest.raises(ValueError, match=r"package\.module:factory"):
         bench_workloads.load_factory("no_colon_here")
@@ -346,7 +357,7 @@ def test_memory_study_trains_eager_then_each_route_with_the_shared_arena_last(
     assert [run.runtime for run in report.memory] == ["eager", "ort/cuda_memory=torch/attention=torch"]
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet", "convnext"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet", "convnext", "efficientnet"])
 def test_vision_workloads_train_in_onnx_runtime_within_eagers_float64_spread(name: str) -> None:
     # Batch norm over 16 small images and thousands of ReLUs make float32 gradients sensitive to rounding, so
     # ORT is held to eager float32's own distance to float64 (on inputs perturbed by a few ulps too).

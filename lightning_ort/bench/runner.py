@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -210,11 +211,45 @@ def matmul_gflops(device: torch.device, size: int = 2048, repeats: int = 10) -> 
 
 
 def step_matmul_flops(workload: Workload) -> int:
-    """FLOPs of the matrix products (matmuls, convolutions, attention) in one forward and backward."""
+    """FLOPs of the matrix products (matmuls, convolutions, attention) in one forward and backward.
+
+    Convolutions' backward ops are counted by :func:`convolution_backward_flops`: ``FlopCounterMode``'s own
+    formula ignores ``groups`` for the weight gradient, which counts a depthwise layer's as a dense one's.
+    """
     model = copy.deepcopy(workload.model)
-    with FlopCounterMode(display=False) as counter:
+    mapping = {torch.ops.aten.convolution_backward: convolution_backward_flops}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         workload.loss_fn(workload.forward(model)).backward()
     return int(counter.get_total_flops())
+
+
+def convolution_backward_flops(
+    grad_out_shape: Sequence[int],
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    bias: object,
+    stride: object,
+    padding: object,
+    dilation: object,
+    transposed: bool,
+    output_padding: object,
+    groups: int,
+    output_mask: Sequence[bool],
+    **kwargs: object,
+) -> int:
+    """FLOPs of ``aten.convolution_backward`` (a ``FlopCounterMode`` formula, on shapes): each gradient asked
+    for, the input's and the weight's, is as many multiply-adds as the forward, whose weight ``[O, I / groups,
+    taps...]`` meets every position of the larger image (the output of a convolution, the input of a transposed
+    one) once per image.
+
+    Example:
+        >>> convolution_backward_flops([16, 96, 32, 32], [16, 96, 32, 32], [96, 1, 3, 3], None, [1, 1], [1, 1],
+        ...                            [1, 1], False, [0, 0], 96, [True, True, False])
+        56623104
+    """
+    positions = math.prod((x_shape if transposed else grad_out_shape)[2:])
+    forward = 2 * grad_out_shape[0] * positions * math.prod(w_shape)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
 def run_workload(

@@ -5,7 +5,9 @@
 * :class:`MobileNetV2`: MobileNetV2 (inverted residual blocks: a 1x1 expansion, a 3x3 depthwise convolution and
   a 1x1 projection, with ReLU6), whose cost is depthwise and pointwise convolutions;
 * :class:`ConvNeXt`: ConvNeXt blocks (a 7x7 depthwise convolution, LayerNorm over channels, a pointwise MLP
-  with GELU and a layer scale), at a reduced width and depth.
+  with GELU and a layer scale), at a reduced width and depth;
+* :class:`EfficientNetB0`: EfficientNet-B0 (MBConv blocks: 1x1 expansion, 3x3 or 5x5 depthwise convolution,
+  squeeze-and-excitation, 1x1 projection, with SiLU), whose cost is depthwise convolutions and SiLU's passes.
 
 Each follows the published architecture; the bench's workloads (:mod:`lightning_ort.bench.workloads`) train them
 on small images, sized for a CPU step.
@@ -192,3 +194,88 @@ class ChannelNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class SqueezeExcitation(nn.Module):
+    """Squeeze-and-excitation: the pooled channels through a SiLU bottleneck gate the activation.
+
+    Example:
+        >>> SqueezeExcitation(16, 4)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 16, 8, 8])
+    """
+
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, squeezed, 1)
+        self.expand = nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.expand(F.silu(self.reduce(x.mean((2, 3), keepdim=True))))
+        return x * torch.sigmoid(gate)
+
+
+class MBConv(nn.Module):
+    """EfficientNet's block: 1x1 expansion by ``expand``, ``kernel`` x ``kernel`` depthwise convolution,
+    squeeze-and-excitation to a quarter of the input's channels, 1x1 projection; SiLU; a skip when the shape is
+    kept.
+
+    Example:
+        >>> MBConv(16, 16, kernel=5, stride=1, expand=6)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 16, 8, 8])
+    """
+
+    def __init__(self, channels_in: int, channels_out: int, kernel: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = channels_in * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(channels_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.SiLU()]
+        layers += [
+            nn.Conv2d(hidden, hidden, kernel, stride, kernel // 2, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            nn.SiLU(),
+            SqueezeExcitation(hidden, max(1, channels_in // 4)),
+            nn.Conv2d(hidden, channels_out, 1, bias=False),
+            nn.BatchNorm2d(channels_out),
+        ]
+        self.layers = nn.Sequential(*layers)
+        self.residual = stride == 1 and channels_in == channels_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layers(x)
+        return x + y if self.residual else y
+
+
+class EfficientNetB0(nn.Module):
+    """EfficientNet-B0 with ``classes`` outputs (no stochastic depth or dropout: the bench compares steps).
+
+    Example:
+        >>> EfficientNetB0(classes=10)(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    # (expansion, channels, blocks, first block's stride, kernel), as published.
+    SETTINGS = (
+        (1, 16, 1, 1, 3),
+        (6, 24, 2, 2, 3),
+        (6, 40, 2, 2, 5),
+        (6, 80, 3, 2, 3),
+        (6, 112, 3, 1, 5),
+        (6, 192, 4, 2, 5),
+        (6, 320, 1, 1, 3),
+    )
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.SiLU()]
+        channels = 32
+        for expand, width, blocks, stride, kernel in self.SETTINGS:
+            for index in range(blocks):
+                layers.append(MBConv(channels, width, kernel, stride if index == 0 else 1, expand))
+                channels = width
+        layers += [nn.Conv2d(channels, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.SiLU()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(1280, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images).mean((2, 3)))

@@ -4,9 +4,10 @@
   dropout 0.1), ``Linear(256, 1000)``; 32 x 64 tokens, cross-entropy.
 * ``mlp``: ``Linear(512, 2048) GELU LayerNorm Linear(2048, 2048) GELU Linear(2048, 10)``, batch 256.
 * ``cnn``: a conv/BatchNorm/ReLU stem and three residual stages (32, 64, 128 channels) on 64 images 32x32x3.
-* ``resnet18``, ``mobilenet``, ``convnext``: the vision networks of :mod:`lightning_ort.bench.vision` (ResNet-18,
-  MobileNetV2, and ConvNeXt at widths 48-384 and depths 2, 2, 4, 2) on 16 images of 64x64x3, 100 classes: dense
-  3x3, depthwise 3x3 and depthwise 7x7 convolutions. They run only when asked for (``--workload resnet18``).
+* ``resnet18``, ``mobilenet``, ``convnext``, ``efficientnet``: the vision networks of
+  :mod:`lightning_ort.bench.vision` (ResNet-18, MobileNetV2, ConvNeXt at widths 48-384 and depths 2, 2, 4, 2, and
+  EfficientNet-B0) on 16 images of 64x64x3, 100 classes: dense 3x3, depthwise 3x3 and 7x7 convolutions, and
+  depthwise 5x5 ones with SiLU and squeeze-and-excitation. They run only when asked for (``--workload resnet18``).
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel`` with its default configuration (12 layers, width 768, dropout 0.1),
   8 x 512 tokens, its own loss from ``labels``. Sized for a GPU, so it runs only when asked for
   (``--workload gpt2``); it needs ``transformers``.
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_ort.bench.vision import BasicBlock, ConvNeXt, MobileNetV2, ResNet18
+from lightning_ort.bench.vision import BasicBlock, ConvNeXt, EfficientNetB0, MobileNetV2, ResNet18
 
 
 @dataclass
@@ -130,6 +131,12 @@ def convnext_workload(device: torch.device) -> Workload:
     return Workload("convnext", model, (images,), _token_loss(labels))
 
 
+def efficientnet_workload(device: torch.device) -> Workload:
+    """EfficientNet-B0, 100 classes, on 16 images of 64x64x3."""
+    images, labels = _images(device)
+    return Workload("efficientnet", EfficientNetB0(classes=100), (images,), _token_loss(labels))
+
+
 def gpt2_workload(
     device: torch.device, *, layers: int = 12, width: int = 768, batch: int = 8, length: int = 512
 ) -> Workload:
@@ -152,6 +159,7 @@ WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
     "resnet18": resnet18_workload,
     "mobilenet": mobilenet_workload,
     "convnext": convnext_workload,
+    "efficientnet": efficientnet_workload,
     "gpt2": gpt2_workload,
 }
 DEFAULT_WORKLOADS = ("transformer", "mlp", "cnn")

@@ -53,6 +53,7 @@ OUR_FAMILIES = (
     "nn.functional.multi_head_attention_forward",
     "nn.functional.relu",
     "nn.functional.gelu",
+    "nn.functional.silu",
     "nn.functional.layer_norm",
     "nn.functional.batch_norm",
     "nn.functional.embedding",

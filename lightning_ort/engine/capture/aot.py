@@ -44,6 +44,7 @@ from lightning_ort.engine.fx.layer_norm import layer_norms
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
+from lightning_ort.engine.fx.silu import silus
 from lightning_ort.engine.runtime.cpu_kernels import kernel_library
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,
@@ -252,9 +253,9 @@ class CapturedGraph:
 
 def _uses_cpu_kernels(gm: torch.fx.GraphModule) -> bool:
     """Whether TorchDynamo's graph ``gm`` has calls that lightning_ort's CPU kernels compute (batch norms in
-    training mode, max pooling, stride-2 convolutions' input gradients, GELU's and layer norm's gradients), so that
-    the kernels are built only for graphs that use them."""
-    counts = (fusable_batch_norms, replaceable_max_pools, strided_convolutions, gelus, layer_norms)
+    training mode, max pooling, stride-2 convolutions' input gradients, GELU's, SiLU's and layer norm's
+    gradients), so that the kernels are built only for graphs that use them."""
+    counts = (fusable_batch_norms, replaceable_max_pools, strided_convolutions, gelus, silus, layer_norms)
     return any(count(gm) for count in counts)
 
 

@@ -2,11 +2,11 @@
 
 The ops of :mod:`lightning_ort.engine.fx.batch_norm`, the max-pooling gradient of
 :mod:`lightning_ort.engine.fx.max_pool`, the phase weaving of :mod:`lightning_ort.engine.fx.conv_phases`,
-GELU's gradient (:mod:`lightning_ort.engine.fx.gelu`) and layer norm's (:mod:`lightning_ort.engine.fx.layer_norm`)
-become nodes of the ``ai.lightning_ort`` domain, which ONNX Runtime runs with the kernels of
-:mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a standard ``MaxPool``. The
-exporter's translations are onnxscript functions; each node here is an onnxscript op with its own schema, which is
-not registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
+GELU's and SiLU's gradients (:mod:`lightning_ort.engine.fx.gelu`, :mod:`lightning_ort.engine.fx.silu`) and layer
+norm's (:mod:`lightning_ort.engine.fx.layer_norm`) become nodes of the ``ai.lightning_ort`` domain, which ONNX
+Runtime runs with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a
+standard ``MaxPool``. The exporter's translations are onnxscript functions; each node here is an onnxscript op
+with its own schema, which is not registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning_ort.engine.fx.conv_phases import INTERLEAVE_2X2
 from lightning_ort.engine.fx.gelu import APPROXIMATIONS, GELU_BACKWARD
 from lightning_ort.engine.fx.layer_norm import LAYER_NORM_BACKWARD
 from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
+from lightning_ort.engine.fx.silu import SILU_BACKWARD
 
 DOMAIN = "ai.lightning_ort"
 """The ONNX domain of lightning_ort's ONNX Runtime kernels."""
@@ -188,6 +189,14 @@ def gelu_backward(grad_output: Any, input: Any, approximate: str) -> Any:
     return _GELU_GRAD(grad_output, input, approximate=APPROXIMATIONS.index(approximate))
 
 
+_SILU_GRAD = _op("SiluGrad", ["dY", "X"], ["dX"], {})
+
+
+def silu_backward(grad_output: Any, input: Any) -> Any:
+    """:data:`~lightning_ort.engine.fx.silu.SILU_BACKWARD` as one ``SiluGrad`` node."""
+    return _SILU_GRAD(grad_output, input)
+
+
 _LAYER_NORM_GRAD = _op("LayerNormGrad", ["dY", "X", "scale", "mean", "invstd"], ["dX", "dscale", "dB"], {})
 
 
@@ -205,6 +214,7 @@ CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     MAX_POOL2D_BACKWARD: max_pool2d_backward,
     INTERLEAVE_2X2: interleave_2x2,
     GELU_BACKWARD: gelu_backward,
+    SILU_BACKWARD: silu_backward,
     LAYER_NORM_BACKWARD: layer_norm_backward,
 }
 """The exporter's translations of lightning_ort's own ops (``custom_translation_table``)."""

@@ -1,15 +1,20 @@
-// ONNX Runtime CPU kernel for the gradient of GELU.
+// ONNX Runtime CPU kernels for the gradients of GELU and SiLU.
 //
 //   ai.lightning_ort::GeluGrad(dY, X) -> dX
 //       attribute: approximate (int): 0 for the exact GELU, x * Phi(x); 1 for its tanh approximation,
 //       0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))).
 //       dX = dY * GELU'(X), elementwise; dY and X float32 of one shape, contiguous.
 //
-// The public onnxruntime wheel has no GELU gradient kernel, so the exported gradient is about ten elementwise
-// nodes (Erf, Exp and the products and sums around them), each a full pass over the activation; this is one pass.
-// Phi, exp and tanh are computed from polynomial forms that the compiler vectorizes (the C library's erff and expf
-// do not vectorize), with a relative error of a few float ulps, far into the tails: Phi(x) for negative x comes from
-// erfc, not from 1 - erf. Work is split into chunks over the session's intra-op thread pool.
+//   ai.lightning_ort::SiluGrad(dY, X) -> dX
+//       dX = dY * SiLU'(X) = dY * s * (1 + X * (1 - s)), s = sigmoid(X), elementwise; dY and X as for GeluGrad.
+//
+// The public onnxruntime wheel has no GELU or SiLU gradient kernel, so the exported gradients are elementwise
+// nodes (for GELU about ten: Erf, Exp and the products and sums around them; for SiLU a Sigmoid and five), each a
+// full pass over the activation; these are one pass. Phi, exp and tanh are computed from polynomial forms that the
+// compiler vectorizes (the C library's erff and expf do not vectorize), with a relative error of a few float ulps,
+// far into the tails: Phi(x) for negative x comes from erfc, not from 1 - erf, and sigmoid's s and 1 - s both come
+// from exp(-|x|), so that neither is a difference of nearly equal numbers. Work is split into chunks over the
+// session's intra-op thread pool.
 
 #include <algorithm>
 #include <cstdint>
@@ -93,6 +98,21 @@ KERNEL_CLONES void gelu_grad_run(const float* __restrict grad, const float* __re
   }
 }
 
+// SiLU'(x) = s * (1 + x * (1 - s)): with e = exp(-|x|) (at most 1, no overflow), s and 1 - s are 1 / (1 + e) and
+// e / (1 + e), swapped for negative x.
+inline float silu_slope(float x) {
+  const float e = exp_of(-std::abs(x));
+  const float inverse = 1.0f / (1.0f + e);
+  const float s = x < 0.0f ? e * inverse : inverse;
+  const float one_minus_s = x < 0.0f ? inverse : e * inverse;
+  return s * (1.0f + x * one_minus_s);
+}
+
+KERNEL_CLONES void silu_grad_run(const float* __restrict grad, const float* __restrict x, float* __restrict out,
+                                 int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = grad[i] * (x[i] == x[i] ? silu_slope(x[i]) : x[i]);
+}
+
 constexpr int64_t kChunk = 16384;
 
 struct GeluGradWork {
@@ -141,11 +161,47 @@ OrtStatus* create_gelu_grad(const OrtCustomOp*, const void*, const OrtKernelInfo
 
 void destroy_gelu_grad(void* kernel) { delete static_cast<GeluGradKernel*>(kernel); }
 
+struct SiluGradWork {
+  const float* grad;
+  const float* x;
+  float* out;
+  int64_t size;
+};
+
+void silu_grad_chunk(void* data, size_t task) {
+  const SiluGradWork& w = *static_cast<const SiluGradWork*>(data);
+  const int64_t first = static_cast<int64_t>(task) * kChunk;
+  silu_grad_run(w.grad + first, w.x + first, w.out + first, std::min(kChunk, w.size - first));
+}
+
+OrtStatus* silu_grad_compute(void*, OrtKernelContext* context) {
+  Tensor grad, x;
+  RETURN_IF_ERROR(read_input(context, 0, &grad));
+  RETURN_IF_ERROR(read_input(context, 1, &x));
+  RETURN_IF_ERROR(check_same_shape(grad, x, "SiluGrad", "dY"));
+  SiluGradWork work{grad.data, x.data, nullptr, x.numel()};
+  RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.out));
+  if (work.size == 0) return nullptr;
+  return parallel_for(context, silu_grad_chunk, static_cast<size_t>((work.size + kChunk - 1) / kChunk), &work);
+}
+
+// SiluGrad has no attributes: all its nodes share one (empty) kernel object, which nothing frees.
+struct SiluGradKernel {};
+
+OrtStatus* create_silu_grad(const OrtCustomOp*, const void*, const OrtKernelInfo*, void** kernel) {
+  static SiluGradKernel shared;
+  *kernel = &shared;
+  return nullptr;
+}
+
+void destroy_silu_grad(void*) {}
+
 }  // namespace
 
 const std::vector<OpDefinition>& activation_ops() {
   static const std::vector<OpDefinition> ops = {
       make_op("GeluGrad", 2, 1, create_gelu_grad, gelu_grad_compute, destroy_gelu_grad),
+      make_op("SiluGrad", 2, 1, create_silu_grad, silu_grad_compute, destroy_silu_grad),
   };
   return ops;
 }

@@ -1,7 +1,7 @@
 """lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``), the
 max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient, the
 subsampling of a strided projection's input and the blocking of convolution weights for ONNX Runtime's NCHWc
-kernels (``conv_kernels.cpp``), GELU's gradient (``activation_kernels.cpp``) and layer norm's
+kernels (``conv_kernels.cpp``), GELU's and SiLU's gradients (``activation_kernels.cpp``) and layer norm's
 (``layer_norm_kernels.cpp``), over the part of ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and
 registered by ``register_kernels.cpp``.
 
@@ -64,7 +64,7 @@ def kernel_library() -> Path | None:
     except Exception as err:
         warnings.warn(
             f"lightning_ort: its CPU kernels (fused batch norm, max-pooling gradient, strided convolutions' input "
-            f"gradient, GELU's and layer norm's gradients) could not be built or did not run right "
+            f"gradient, GELU's, SiLU's and layer norm's gradients) could not be built or did not run right "
             f"({first_line(err)}); batch norms, max pooling and those gradients run as standard ONNX ops, which is "
             "slower on CPU. Install a C++ compiler (g++ or clang++) to build them.",
             stacklevel=2,
