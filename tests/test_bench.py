@@ -357,7 +357,7 @@ def test_memory_study_trains_eager_then_each_route_with_the_shared_arena_last(
     assert [run.runtime for run in report.memory] == ["eager", "ort/cuda_memory=torch/attention=torch"]
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet", "convnext", "efficientnet"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet", "convnext", "efficientnet", "unet"])
 def test_vision_workloads_train_in_onnx_runtime_within_eagers_float64_spread(name: str) -> None:
     # Batch norm over 16 small images and thousands of ReLUs make float32 gradients sensitive to rounding, so
     # ORT is held to eager float32's own distance to float64 (on inputs perturbed by a few ulps too).

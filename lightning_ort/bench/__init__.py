@@ -4,8 +4,8 @@
   ``torch.compile`` (inductor) and ORTModule on each workload;
 * :mod:`~lightning_ort.bench.workloads`: the reference workloads and the ``--module`` factory contract;
 * :mod:`~lightning_ort.bench.runtimes`: the runtimes by name (``ort/attention=torch``...) and the step each runs;
-* :mod:`~lightning_ort.bench.vision`: the vision networks of the ``resnet18``, ``mobilenet``, ``convnext`` and
-  ``efficientnet`` workloads, in plain ``torch.nn``;
+* :mod:`~lightning_ort.bench.vision`: the vision networks of the ``resnet18``, ``mobilenet``, ``convnext``,
+  ``efficientnet`` and ``unet`` workloads, in plain ``torch.nn``;
 * :mod:`~lightning_ort.bench.depth`: ``depth``, the first step against layer count;
 * :mod:`~lightning_ort.bench.shapes`: ``shapes``, the build cost of each new padded length;
 * :mod:`~lightning_ort.bench.fsdp`: ``fsdp``, sharded training against replicated;

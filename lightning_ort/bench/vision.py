@@ -7,7 +7,9 @@
 * :class:`ConvNeXt`: ConvNeXt blocks (a 7x7 depthwise convolution, LayerNorm over channels, a pointwise MLP
   with GELU and a layer scale), at a reduced width and depth;
 * :class:`EfficientNetB0`: EfficientNet-B0 (MBConv blocks: 1x1 expansion, 3x3 or 5x5 depthwise convolution,
-  squeeze-and-excitation, 1x1 projection, with SiLU), whose cost is depthwise convolutions and SiLU's passes.
+  squeeze-and-excitation, 1x1 projection, with SiLU), whose cost is depthwise convolutions and SiLU's passes;
+* :class:`UNet`: a diffusion model's U-Net (residual blocks of GroupNorm, SiLU and 3x3 convolutions, strided
+  convolutions down, transposed convolutions up, skips concatenated), at a reduced width.
 
 Each follows the published architecture; the bench's workloads (:mod:`lightning_ort.bench.workloads`) train them
 on small images, sized for a CPU step.
@@ -279,3 +281,52 @@ class EfficientNetB0(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(images).mean((2, 3)))
+
+
+class GroupNormBlock(nn.Module):
+    """A diffusion U-Net's residual block: GroupNorm (8 groups) and SiLU before each 3x3 convolution, a 1x1
+    projection on the skip when the width changes.
+
+    Example:
+        >>> GroupNormBlock(16, 32)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 32, 8, 8])
+    """
+
+    def __init__(self, channels_in: int, channels_out: int) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, channels_in), nn.Conv2d(channels_in, channels_out, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(8, channels_out), nn.Conv2d(channels_out, channels_out, 3, padding=1)
+        self.skip = nn.Conv2d(channels_in, channels_out, 1) if channels_in != channels_out else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        return self.conv2(F.silu(self.norm2(h))) + self.skip(x)
+
+
+class UNet(nn.Module):
+    """A diffusion model's U-Net at ``width`` channels: two levels down (strided 3x3 convolutions), a middle
+    block, two up (2x2 transposed convolutions, the skip concatenated), each level a :class:`GroupNormBlock`.
+
+    Example:
+        >>> UNet(width=16)(torch.randn(2, 3, 16, 16)).shape
+        torch.Size([2, 3, 16, 16])
+    """
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        wide = 2 * width
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.down1, self.pool1 = GroupNormBlock(width, width), nn.Conv2d(width, width, 3, 2, 1)
+        self.down2, self.pool2 = GroupNormBlock(width, wide), nn.Conv2d(wide, wide, 3, 2, 1)
+        self.middle = GroupNormBlock(wide, wide)
+        self.up2, self.block2 = nn.ConvTranspose2d(wide, wide, 2, 2), GroupNormBlock(2 * wide, wide)
+        self.up1, self.block1 = nn.ConvTranspose2d(wide, width, 2, 2), GroupNormBlock(2 * width, width)
+        self.out = nn.Conv2d(width, 3, 3, padding=1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        first = self.down1(self.stem(images))
+        second = self.down2(self.pool1(first))
+        h = self.middle(self.pool2(second))
+        h = self.block2(torch.cat([self.up2(h), second], dim=1))
+        h = self.block1(torch.cat([self.up1(h), first], dim=1))
+        return self.out(h)

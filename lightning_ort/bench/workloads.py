@@ -7,7 +7,9 @@
 * ``resnet18``, ``mobilenet``, ``convnext``, ``efficientnet``: the vision networks of
   :mod:`lightning_ort.bench.vision` (ResNet-18, MobileNetV2, ConvNeXt at widths 48-384 and depths 2, 2, 4, 2, and
   EfficientNet-B0) on 16 images of 64x64x3, 100 classes: dense 3x3, depthwise 3x3 and 7x7 convolutions, and
-  depthwise 5x5 ones with SiLU and squeeze-and-excitation. They run only when asked for (``--workload resnet18``).
+  depthwise 5x5 ones with SiLU and squeeze-and-excitation. ``unet``: a diffusion U-Net (GroupNorm, SiLU,
+  transposed convolutions; width 32) predicting the noise added to 16 images of 32x32x3, mean squared error. They
+  run only when asked for (``--workload resnet18``).
 * ``gpt2``: Hugging Face ``GPT2LMHeadModel`` with its default configuration (12 layers, width 768, dropout 0.1),
   8 x 512 tokens, its own loss from ``labels``. Sized for a GPU, so it runs only when asked for
   (``--workload gpt2``); it needs ``transformers``.
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_ort.bench.vision import BasicBlock, ConvNeXt, EfficientNetB0, MobileNetV2, ResNet18
+from lightning_ort.bench.vision import BasicBlock, ConvNeXt, EfficientNetB0, MobileNetV2, ResNet18, UNet
 
 
 @dataclass
@@ -137,6 +139,14 @@ def efficientnet_workload(device: torch.device) -> Workload:
     return Workload("efficientnet", EfficientNetB0(classes=100), (images,), _token_loss(labels))
 
 
+def unet_workload(device: torch.device) -> Workload:
+    """A diffusion U-Net (width 32) on 16 images of 32x32x3, its loss the mean squared error to a noise target."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(16, 3, 32, 32, generator=g).to(device)
+    noise = torch.randn(16, 3, 32, 32, generator=g).to(device)
+    return Workload("unet", UNet(width=32), (images,), lambda output: F.mse_loss(output, noise))
+
+
 def gpt2_workload(
     device: torch.device, *, layers: int = 12, width: int = 768, batch: int = 8, length: int = 512
 ) -> Workload:
@@ -160,6 +170,7 @@ WORKLOADS: dict[str, Callable[[torch.device], Workload]] = {
     "mobilenet": mobilenet_workload,
     "convnext": convnext_workload,
     "efficientnet": efficientnet_workload,
+    "unet": unet_workload,
     "gpt2": gpt2_workload,
 }
 DEFAULT_WORKLOADS = ("transformer", "mlp", "cnn")

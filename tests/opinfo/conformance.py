@@ -55,6 +55,7 @@ OUR_FAMILIES = (
     "nn.functional.gelu",
     "nn.functional.silu",
     "nn.functional.layer_norm",
+    "nn.functional.group_norm",
     "nn.functional.batch_norm",
     "nn.functional.embedding",
     "nn.functional.embedding_bag",

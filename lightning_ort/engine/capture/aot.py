@@ -40,6 +40,7 @@ from lightning_ort.engine.fx.conv_phases import strided_convolutions
 from lightning_ort.engine.fx.decompositions import capture_decompositions
 from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
 from lightning_ort.engine.fx.gelu import gelus
+from lightning_ort.engine.fx.group_norm import group_norms
 from lightning_ort.engine.fx.layer_norm import layer_norms
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
@@ -254,8 +255,8 @@ class CapturedGraph:
 def _uses_cpu_kernels(gm: torch.fx.GraphModule) -> bool:
     """Whether TorchDynamo's graph ``gm`` has calls that lightning_ort's CPU kernels compute (batch norms in
     training mode, max pooling, stride-2 convolutions' input gradients, GELU's, SiLU's and layer norm's
-    gradients), so that the kernels are built only for graphs that use them."""
-    counts = (fusable_batch_norms, replaceable_max_pools, strided_convolutions, gelus, silus, layer_norms)
+    gradients, group norms), so that the kernels are built only for graphs that use them."""
+    counts = (fusable_batch_norms, replaceable_max_pools, strided_convolutions, gelus, silus, layer_norms, group_norms)
     return any(count(gm) for count in counts)
 
 

@@ -41,6 +41,7 @@ import torch
 
 from lightning_ort.engine.fx.conv_phases import phase_input_grad
 from lightning_ort.engine.fx.gelu import gelu_backward
+from lightning_ort.engine.fx.group_norm import group_norm, group_norm_backward
 from lightning_ort.engine.fx.layer_norm import layer_norm_backward
 from lightning_ort.engine.fx.silu import silu_backward
 from lightning_ort.engine.torch_internals import FUSED_ATTENTION_FORWARD, core_aten_decompositions, get_decompositions
@@ -890,9 +891,10 @@ def capture_decompositions(
 
     With ``cpu_kernels`` (lightning_ort's CPU kernels are built and checked), stride-2 convolutions' input
     gradients take :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`, and on CPU GELU's, SiLU's and
-    layer norm's gradients their kernels (:func:`~lightning_ort.engine.fx.gelu.gelu_backward`,
+    layer norm's gradients and group norm their kernels (:func:`~lightning_ort.engine.fx.gelu.gelu_backward`,
     :func:`~lightning_ort.engine.fx.silu.silu_backward`,
-    :func:`~lightning_ort.engine.fx.layer_norm.layer_norm_backward`).
+    :func:`~lightning_ort.engine.fx.layer_norm.layer_norm_backward`,
+    :mod:`~lightning_ort.engine.fx.group_norm`).
 
     With ``attention_path="torch"`` SDPA's fused forward stays whole, as its backward does: a decomposed forward
     does not give the backward kernel the softmax statistics it expects.
@@ -940,6 +942,8 @@ def capture_decompositions(
 _CPU_KERNELS: dict[Any, Callable[..., Any]] = {
     aten.gelu_backward.default: gelu_backward,
     aten.silu_backward.default: silu_backward,
+    aten.native_group_norm.default: group_norm,
+    aten.native_group_norm_backward.default: group_norm_backward,
     aten.native_layer_norm_backward.default: layer_norm_backward,
 }
 """The decompositions into lightning_ort's CPU kernels, for CPU graphs where the kernels are built."""

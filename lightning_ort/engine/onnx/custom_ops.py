@@ -2,8 +2,9 @@
 
 The ops of :mod:`lightning_ort.engine.fx.batch_norm`, the max-pooling gradient of
 :mod:`lightning_ort.engine.fx.max_pool`, the phase weaving of :mod:`lightning_ort.engine.fx.conv_phases`,
-GELU's and SiLU's gradients (:mod:`lightning_ort.engine.fx.gelu`, :mod:`lightning_ort.engine.fx.silu`) and layer
-norm's (:mod:`lightning_ort.engine.fx.layer_norm`) become nodes of the ``ai.lightning_ort`` domain, which ONNX
+GELU's and SiLU's gradients (:mod:`lightning_ort.engine.fx.gelu`, :mod:`lightning_ort.engine.fx.silu`), layer
+norm's (:mod:`lightning_ort.engine.fx.layer_norm`) and group norm (:mod:`lightning_ort.engine.fx.group_norm`) become
+nodes of the ``ai.lightning_ort`` domain, which ONNX
 Runtime runs with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a
 standard ``MaxPool``. The exporter's translations are onnxscript functions; each node here is an onnxscript op
 with its own schema, which is not registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
@@ -27,6 +28,7 @@ from lightning_ort.engine.fx.batch_norm import (
 )
 from lightning_ort.engine.fx.conv_phases import INTERLEAVE_2X2
 from lightning_ort.engine.fx.gelu import APPROXIMATIONS, GELU_BACKWARD
+from lightning_ort.engine.fx.group_norm import GROUP_NORM, GROUP_NORM_BACKWARD
 from lightning_ort.engine.fx.layer_norm import LAYER_NORM_BACKWARD
 from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
 from lightning_ort.engine.fx.silu import SILU_BACKWARD
@@ -205,6 +207,22 @@ def layer_norm_backward(grad_output: Any, input: Any, weight: Any, mean: Any, in
     return _LAYER_NORM_GRAD(grad_output, input, weight, mean, invstd)
 
 
+_GROUP_NORM_TRAINING = _op(
+    "GroupNormTraining", ["X", "scale", "B"], ["Y", "mean", "rstd"], {"groups": INT, "epsilon": FLOAT}
+)
+_GROUP_NORM_GRAD = _op("GroupNormGrad", ["dY", "X", "scale", "mean", "rstd"], ["dX", "dscale", "dB"], {"groups": INT})
+
+
+def group_norm(input: Any, weight: Any, bias: Any, groups: int, eps: float) -> Any:
+    """:data:`~lightning_ort.engine.fx.group_norm.GROUP_NORM` as one ``GroupNormTraining`` node."""
+    return _GROUP_NORM_TRAINING(input, weight, bias, groups=groups, epsilon=eps)
+
+
+def group_norm_backward(grad_output: Any, input: Any, weight: Any, mean: Any, rstd: Any, groups: int) -> Any:
+    """:data:`~lightning_ort.engine.fx.group_norm.GROUP_NORM_BACKWARD` as one ``GroupNormGrad`` node."""
+    return _GROUP_NORM_GRAD(grad_output, input, weight, mean, rstd, groups=groups)
+
+
 CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     BATCH_NORM_TRAINING: batch_norm_training,
     BATCH_NORM_TRAINING_BACKWARD: batch_norm_training_backward,
@@ -216,5 +234,7 @@ CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     GELU_BACKWARD: gelu_backward,
     SILU_BACKWARD: silu_backward,
     LAYER_NORM_BACKWARD: layer_norm_backward,
+    GROUP_NORM: group_norm,
+    GROUP_NORM_BACKWARD: group_norm_backward,
 }
 """The exporter's translations of lightning_ort's own ops (``custom_translation_table``)."""

@@ -185,12 +185,8 @@ OrtStatus* silu_grad_compute(void*, OrtKernelContext* context) {
   return parallel_for(context, silu_grad_chunk, static_cast<size_t>((work.size + kChunk - 1) / kChunk), &work);
 }
 
-// SiluGrad has no attributes: all its nodes share one (empty) kernel object, which nothing frees.
-struct SiluGradKernel {};
-
 OrtStatus* create_silu_grad(const OrtCustomOp*, const void*, const OrtKernelInfo*, void** kernel) {
-  static SiluGradKernel shared;
-  *kernel = &shared;
+  *kernel = nullptr;  // no attributes
   return nullptr;
 }
 

@@ -1,9 +1,9 @@
 """lightning_ort's own ONNX Runtime CPU kernels: training-mode batch norm (``batch_norm_kernels.cpp``), the
 max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient, the
 subsampling of a strided projection's input and the blocking of convolution weights for ONNX Runtime's NCHWc
-kernels (``conv_kernels.cpp``), GELU's and SiLU's gradients (``activation_kernels.cpp``) and layer norm's
-(``layer_norm_kernels.cpp``), over the part of ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and
-registered by ``register_kernels.cpp``.
+kernels (``conv_kernels.cpp``), GELU's and SiLU's gradients (``activation_kernels.cpp``), layer norm's
+(``layer_norm_kernels.cpp``) and group norm, forward and gradient (``group_norm_kernels.cpp``), over the part of
+ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and registered by ``register_kernels.cpp``.
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
 folder, under a name with a hash of the sources, so that two versions of lightning_ort on one machine do not
@@ -41,6 +41,7 @@ _SOURCES = [
         "conv_kernels.cpp",
         "activation_kernels.cpp",
         "layer_norm_kernels.cpp",
+        "group_norm_kernels.cpp",
         "register_kernels.cpp",
     )
 ]
@@ -64,9 +65,9 @@ def kernel_library() -> Path | None:
     except Exception as err:
         warnings.warn(
             f"lightning_ort: its CPU kernels (fused batch norm, max-pooling gradient, strided convolutions' input "
-            f"gradient, GELU's, SiLU's and layer norm's gradients) could not be built or did not run right "
-            f"({first_line(err)}); batch norms, max pooling and those gradients run as standard ONNX ops, which is "
-            "slower on CPU. Install a C++ compiler (g++ or clang++) to build them.",
+            f"gradient, GELU's, SiLU's and layer norm's gradients, group norm) could not be built or did not run "
+            f"right ({first_line(err)}); batch norms, max pooling and those gradients run as standard ONNX ops, "
+            "which is slower on CPU. Install a C++ compiler (g++ or clang++) to build them.",
             stacklevel=2,
         )
         return None

@@ -236,5 +236,6 @@ const std::vector<OpDefinition>& max_pool_ops();
 const std::vector<OpDefinition>& conv_ops();
 const std::vector<OpDefinition>& activation_ops();
 const std::vector<OpDefinition>& layer_norm_ops();
+const std::vector<OpDefinition>& group_norm_ops();
 
 }  // namespace lightning_ort_kernels
