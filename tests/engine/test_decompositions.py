@@ -18,12 +18,17 @@ from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.capture import aot
 from lightning_ort.engine.fx import decompositions
 from lightning_ort.engine.fx.decompositions import (
+    adaptive_avg_pool2d_backward,
+    adaptive_max_pool2d_backward,
+    avg_pool2d_backward,
     batch_norm_backward,
     batch_norm_functional,
     capture_decompositions,
     convolution_backward,
     hardtanh_backward,
     max_pool2d_with_indices_backward,
+    reflection_pad2d_backward,
+    replication_pad2d_backward,
     threshold_backward,
 )
 from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
@@ -496,3 +501,42 @@ def test_dropout_outside_training_or_at_the_ends_is_pytorchs() -> None:
     assert dropout(x, 0.5, training=False) is x
     assert torch.equal(dropout(x, 0.0), x)
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("size", [(7, 6), (8, 11), (9, 9)])
+@pytest.mark.parametrize(("kernel", "stride", "padding"), [(2, 2, 0), (3, 2, 1), (3, 1, 1), (2, 3, 1)])
+@pytest.mark.parametrize("ceil_mode", [False, True])
+@pytest.mark.parametrize("count_include_pad", [False, True])
+def test_average_pooling_gradient_matches_aten_for_every_window_rule(
+    size: tuple[int, int], kernel: int, stride: int, padding: int, ceil_mode: bool, count_include_pad: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *size, generator=g)
+    args = ([kernel, kernel], [stride, stride], [padding, padding], ceil_mode, count_include_pad, None)
+    grad = torch.randn(aten.avg_pool2d(x, *args).shape, generator=g)
+    torch.testing.assert_close(avg_pool2d_backward(grad, x, *args), aten.avg_pool2d_backward(grad, x, *args))
+
+
+@pytest.mark.parametrize(("size", "pooled"), [((8, 8), (2, 2)), ((8, 11), (3, 4)), ((5, 7), (7, 5)), ((6, 6), (1, 1))])
+def test_adaptive_pooling_gradients_match_aten(size: tuple[int, int], pooled: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *size, generator=g)
+    grad = torch.randn(2, 3, *pooled, generator=g)
+    expected = aten._adaptive_avg_pool2d_backward(grad, x)
+    torch.testing.assert_close(adaptive_avg_pool2d_backward(grad, x), expected)
+    _, indices = aten.adaptive_max_pool2d(x, list(pooled))
+    expected = aten.adaptive_max_pool2d_backward(grad, x, indices)
+    torch.testing.assert_close(adaptive_max_pool2d_backward(grad, x, indices), expected)
+
+
+@pytest.mark.parametrize("padding", [[1, 1, 1, 1], [2, 0, 3, 1], [0, 3, 0, 2]])
+def test_replication_and_reflection_padding_gradients_match_aten(padding: list[int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 4, generator=g)
+    grad = torch.randn(2, 3, 5 + padding[2] + padding[3], 4 + padding[0] + padding[1], generator=g)
+    torch.testing.assert_close(
+        replication_pad2d_backward(grad, x, padding), aten.replication_pad2d_backward(grad, x, padding)
+    )
+    torch.testing.assert_close(
+        reflection_pad2d_backward(grad, x, padding), aten.reflection_pad2d_backward(grad, x, padding)
+    )

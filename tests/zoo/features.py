@@ -77,6 +77,27 @@ class UpsamplingDecoder(nn.Module):
         return self.out(torch.cat([self.up(h), x], dim=1)) + self.grouped(h).mean(dim=1, keepdim=True)
 
 
+class PoolingHeads(nn.Module):
+    """Pooling and padding whose gradients ONNX cannot express directly: VGG's adaptive pool to a grid, adaptive
+    max pooling, Inception's average pool that does not count padding, ResNet-D's ceil-mode average pool, and
+    reflection and replication padding between convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pad = nn.Sequential(nn.ReflectionPad2d((1, 2, 2, 1)), nn.Conv2d(8, 8, 3), nn.ReplicationPad2d(1))
+        self.inception = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.downsample = nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
+        # ONNX expresses adaptive max pooling only over windows of one size: 6x4 images to 1x2.
+        self.grid, self.peak = nn.AdaptiveAvgPool2d((4, 3)), nn.AdaptiveMaxPool2d((1, 2))
+        self.head = nn.Linear(8 * 14, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pad(torch.relu(self.conv(x)))
+        h = self.downsample(self.inception(h))
+        return self.head(torch.cat([self.grid(h).flatten(1), self.peak(h).flatten(1)], dim=1))
+
+
 class TransformerClassifier(nn.Module):
     """``nn.TransformerEncoder`` stack with embedding and head: the model onnxruntime-training failed on."""
 
@@ -309,6 +330,7 @@ CASES = [
             {"padding_mask": torch.arange(10).expand(3, 10) >= torch.tensor([[10], [7], [4]])},
         ),
     ),
+    Case("pooling_heads", PoolingHeads, lambda g: ((_randn(g, 2, 3, 9, 5, grad=True),), {})),
     Case("conv_transpose_decoder", UpsamplingDecoder, lambda g: ((_randn(g, 2, 3, 8, 8, grad=True),), {})),
     Case("causal_lm", CausalLM, lambda g: ((torch.randint(0, 64, (2, 16), generator=g),), {})),
     Case(

@@ -639,9 +639,12 @@ def avg_pool2d_backward(
     """Average pooling's input gradient as a depthwise transposed convolution with a constant kernel.
 
     Each output gradient is spread evenly over its window: ``conv_transpose2d`` of the gradient with a kernel of
-    ``1 / divisor``, one group per channel. That holds where every window has the same divisor: no padding (or
-    padding counted) and no ceil-mode windows past the border. Other pools keep ATen's op (no ONNX translation:
-    it runs in PyTorch).
+    ``1 / divisor``, one group per channel, where every window has the same divisor (no padding, or padding
+    counted, and no ceil-mode windows past the border). Elsewhere (``count_include_pad=False`` with padding, as
+    in Inception; ``ceil_mode``, as in ResNet-D's downsampling) the gradient is first divided by each window's
+    own divisor, the product of its row and column counts (:func:`_window_counts`), then spread with a kernel of
+    ones, and the spread cropped to the input where a ceil-mode window reaches past it. Pools whose sizes are
+    still symbolic keep ATen's op (no ONNX translation: it runs in PyTorch).
 
     Example:
         >>> x = torch.randn(2, 3, 8, 8)
@@ -649,21 +652,149 @@ def avg_pool2d_backward(
         >>> ours = avg_pool2d_backward(g, x, [2, 2], [2, 2], [0, 0], False, True, None)
         >>> torch.allclose(ours, aten.avg_pool2d_backward(g, x, [2, 2], [2, 2], [0, 0], False, True, None))
         True
+        >>> g = torch.randn(2, 3, 5, 5)
+        >>> ours = avg_pool2d_backward(g, x, [3, 3], [2, 2], [1, 1], True, False, None)
+        >>> torch.allclose(ours, aten.avg_pool2d_backward(g, x, [3, 3], [2, 2], [1, 1], True, False, None))
+        True
     """
     kernel = list(kernel_size) if len(kernel_size) == 2 else [kernel_size[0]] * 2
     steps = list(stride) if len(stride) == 2 else list(kernel) if not stride else [stride[0]] * 2
     pads = list(padding) if len(padding) == 2 else [padding[0]] * 2
-    if ceil_mode or (any(pads) and not count_include_pad) or input.dim() != 4:
+    sizes = [*input.shape[2:], *grad_output.shape[2:]]
+    if input.dim() != 4 or not all(isinstance(size, int) for size in sizes):
         return NotImplemented
     channels = input.shape[1]
-    divisor = divisor_override or kernel[0] * kernel[1]
-    weight = torch.full((channels, 1, *kernel), 1.0 / divisor, dtype=grad_output.dtype, device=grad_output.device)
-    adjust = [
-        input.shape[2 + i] - ((grad_output.shape[2 + i] - 1) * steps[i] - 2 * pads[i] + kernel[i]) for i in range(2)
-    ]
-    if any(not isinstance(a, int) or a < 0 or a >= steps[i] for i, a in enumerate(adjust)):
+    uniform = not ceil_mode and (count_include_pad or not any(pads))
+    if divisor_override or uniform:
+        divisor = divisor_override or kernel[0] * kernel[1]
+        scaled = grad_output
+        weight = torch.full((channels, 1, *kernel), 1.0 / divisor, dtype=grad_output.dtype, device=grad_output.device)
+    else:
+        rows, cols = (
+            _window_counts(
+                input.shape[2 + i], grad_output.shape[2 + i], kernel[i], steps[i], pads[i], count_include_pad
+            )
+            for i in range(2)
+        )
+        scaled = grad_output / (rows[:, None] * cols[None, :]).to(grad_output)
+        weight = torch.ones((channels, 1, *kernel), dtype=grad_output.dtype, device=grad_output.device)
+    spread = [(grad_output.shape[2 + i] - 1) * steps[i] - 2 * pads[i] + kernel[i] for i in range(2)]
+    adjust = [min(max(input.shape[2 + i] - spread[i], 0), steps[i] - 1) for i in range(2)]
+    grad_input = aten.convolution(scaled, weight, None, steps, pads, [1, 1], True, adjust, channels)
+    missing = [input.shape[2 + i] - spread[i] - adjust[i] for i in range(2)]  # rows no window reads
+    if any(missing[i] > 0 for i in range(2)):
+        grad_input = torch.nn.functional.pad(grad_input, [0, max(missing[1], 0), 0, max(missing[0], 0)])
+    return grad_input[:, :, : input.shape[2], : input.shape[3]]
+
+
+def _window_counts(
+    size: int, windows: int, kernel: int, stride: int, padding: int, count_padding: bool
+) -> torch.Tensor:
+    """Each pooling window's extent along one axis (int64, ``[windows]``, on the CPU: moved with the gradient
+    it divides): the positions it covers inside the input, or with ``count_padding`` inside the padded input,
+    as ATen's average pooling divides by them (a ceil-mode window past the padded border is clipped to it)."""
+    start = torch.arange(windows) * stride - padding
+    end = torch.clamp(start + kernel, max=size + padding)
+    if count_padding:
+        return end - start
+    return torch.clamp(end, max=size) - torch.clamp(start, min=0)
+
+
+def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """Adaptive average pooling's input gradient (``nn.AdaptiveAvgPool2d((7, 7))``, as VGG and AlexNet pool
+    before their classifiers): ``A_h^T @ grad @ A_w`` for each plane.
+
+    Adaptive pooling averages output row ``i`` over input rows ``floor(i * H / h)`` to ``ceil((i + 1) * H / h)``,
+    windows of varying length that may overlap; along each axis that is a constant ``[h, H]`` averaging matrix
+    ``A_h`` (:func:`_adaptive_windows`), and the pooling is ``A_h @ x @ A_w^T``. Images whose sizes are still
+    symbolic keep ATen's op (no ONNX translation: it runs in PyTorch).
+
+    Example:
+        >>> x, g = torch.randn(2, 3, 8, 11), torch.randn(2, 3, 3, 4)
+        >>> torch.allclose(adaptive_avg_pool2d_backward(g, x), aten._adaptive_avg_pool2d_backward(g, x), atol=1e-6)
+        True
+    """
+    sizes = [*input.shape[-2:], *grad_output.shape[-2:]]
+    if input.dim() not in (3, 4) or not all(isinstance(size, int) for size in sizes):
         return NotImplemented
-    return aten.convolution(grad_output, weight, None, steps, pads, [1, 1], True, adjust, channels)
+    rows = _adaptive_windows(input.shape[-2], grad_output.shape[-2]).to(grad_output)
+    cols = _adaptive_windows(input.shape[-1], grad_output.shape[-1]).to(grad_output)
+    return torch.matmul(torch.matmul(rows.t(), grad_output), cols)
+
+
+def _adaptive_windows(size: int, windows: int) -> torch.Tensor:
+    """``[windows, size]`` float32: row ``i`` holds ``1 / length`` over adaptive pooling's window ``i``."""
+    index = torch.arange(windows)
+    start = torch.div(index * size, windows, rounding_mode="floor")
+    end = torch.div((index + 1) * size + windows - 1, windows, rounding_mode="floor")
+    position = torch.arange(size)
+    inside = (position[None, :] >= start[:, None]) & (position[None, :] < end[:, None])
+    return inside.float() / (end - start)[:, None].float()
+
+
+def adaptive_max_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Adaptive max pooling's input gradient: each output gradient added at the position its window selected,
+    the forward's per-plane ``indices``, as for :func:`max_pool2d_with_indices_backward`.
+
+    Example:
+        >>> x = torch.randn(2, 3, 7, 9)
+        >>> y, idx = aten.adaptive_max_pool2d(x, [3, 4])
+        >>> g = torch.randn_like(y)
+        >>> torch.equal(adaptive_max_pool2d_backward(g, x, idx), aten.adaptive_max_pool2d_backward(g, x, idx))
+        True
+    """
+    return _scatter_to_indices(grad_output, input, indices)
+
+
+def replication_pad2d_backward(grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
+    """``nn.ReplicationPad2d``'s input gradient: ``R_h^T @ grad @ R_w`` for each plane, ``R`` the one-hot
+    ``[padded, size]`` matrix of the row (column) each padded position copies (the nearest border one).
+
+    Example:
+        >>> x = torch.randn(2, 3, 5, 4)
+        >>> g = torch.randn(2, 3, 8, 9)
+        >>> ours = replication_pad2d_backward(g, x, [2, 3, 1, 2])
+        >>> torch.allclose(ours, aten.replication_pad2d_backward(g, x, [2, 3, 1, 2]), atol=1e-6)
+        True
+    """
+    return _copied_rows_backward(grad_output, input, padding, reflect=False)
+
+
+def reflection_pad2d_backward(grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
+    """``nn.ReflectionPad2d``'s input gradient (style transfer, GAN generators), as
+    :func:`replication_pad2d_backward` with each padded position copying its mirror image across the border.
+
+    Example:
+        >>> x = torch.randn(2, 3, 5, 4)
+        >>> g = torch.randn(2, 3, 8, 9)
+        >>> ours = reflection_pad2d_backward(g, x, [2, 3, 1, 2])
+        >>> torch.allclose(ours, aten.reflection_pad2d_backward(g, x, [2, 3, 1, 2]), atol=1e-6)
+        True
+    """
+    return _copied_rows_backward(grad_output, input, padding, reflect=True)
+
+
+def _copied_rows_backward(
+    grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int], reflect: bool
+) -> torch.Tensor:
+    """The input gradient of a 2-d pad that copies input rows and columns (``padding``: left, right, top,
+    bottom): ``R_h^T @ grad @ R_w``, ``R`` one-hot by the copied position (:func:`_copied_positions`)."""
+    sizes = [*input.shape[-2:], *grad_output.shape[-2:]]
+    if len(padding) != 4 or not all(isinstance(size, int) for size in sizes):
+        return NotImplemented
+    left, _, top, _ = padding
+    rows = _copied_positions(input.shape[-2], grad_output.shape[-2], top, reflect).to(grad_output)
+    cols = _copied_positions(input.shape[-1], grad_output.shape[-1], left, reflect).to(grad_output)
+    return torch.matmul(torch.matmul(rows.t(), grad_output), cols)
+
+
+def _copied_positions(size: int, padded: int, before: int, reflect: bool) -> torch.Tensor:
+    """``[padded, size]`` float32, one-hot: the input position padded position ``o`` copies, ``o - before``
+    clamped to the input (replication) or mirrored across its first and last positions (reflection)."""
+    offset = torch.arange(padded) - before
+    mirrored = (size - 1) - torch.abs((size - 1) - torch.abs(offset))
+    source = mirrored if reflect else torch.clamp(offset, 0, size - 1)
+    return (torch.arange(size)[None, :] == source[:, None]).float()
 
 
 def max_pool2d_with_indices_backward(
@@ -690,6 +821,12 @@ def max_pool2d_with_indices_backward(
         >>> torch.allclose(ours, aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], True, idx))
         True
     """
+    return _scatter_to_indices(grad_output, input, indices)
+
+
+def _scatter_to_indices(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``grad_output`` added, per image plane, at the flat positions ``indices`` of ``input``'s planes (in
+    float32 for half-precision gradients)."""
     planes = input.shape[:-2]
     height, width = input.shape[-2:]
     accumulate = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
@@ -924,6 +1061,10 @@ def capture_decompositions(
         aten._safe_softmax.default: safe_softmax,
         aten.addmm.default: addmm,
         aten.avg_pool2d_backward.default: avg_pool2d_backward,
+        aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
+        aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+        aten.replication_pad2d_backward.default: replication_pad2d_backward,
+        aten.reflection_pad2d_backward.default: reflection_pad2d_backward,
         aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
