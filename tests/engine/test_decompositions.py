@@ -21,12 +21,14 @@ from lightning_ort.engine.fx.decompositions import (
     adaptive_avg_pool2d_backward,
     adaptive_max_pool2d_backward,
     avg_pool2d_backward,
+    avg_pool3d_backward,
     batch_norm_backward,
     batch_norm_functional,
     capture_decompositions,
     convolution_backward,
     hardtanh_backward,
     max_pool2d_with_indices_backward,
+    max_pool3d_with_indices_backward,
     reflection_pad2d_backward,
     replication_pad2d_backward,
     threshold_backward,
@@ -540,3 +542,23 @@ def test_replication_and_reflection_padding_gradients_match_aten(padding: list[i
     torch.testing.assert_close(
         reflection_pad2d_backward(grad, x, padding), aten.reflection_pad2d_backward(grad, x, padding)
     )
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding"), [([2, 2, 2], [2, 2, 2], [0, 0, 0]), ([3, 1, 3], [2, 1, 2], [1, 0, 1])]
+)
+@pytest.mark.parametrize("ceil_mode", [False, True])
+@pytest.mark.parametrize("count_include_pad", [False, True])
+def test_3d_pooling_gradients_match_aten(
+    kernel: list[int], stride: list[int], padding: list[int], ceil_mode: bool, count_include_pad: bool
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 6, 7, generator=g)
+    args = (kernel, stride, padding, ceil_mode, count_include_pad, None)
+    grad = torch.randn(aten.avg_pool3d(x, *args).shape, generator=g)
+    torch.testing.assert_close(avg_pool3d_backward(grad, x, *args), aten.avg_pool3d_backward(grad, x, *args))
+    window = (kernel, stride, padding, [1, 1, 1], ceil_mode)
+    pooled, indices = aten.max_pool3d_with_indices(x, *window)
+    grad = torch.randn(pooled.shape, generator=g)
+    expected = aten.max_pool3d_with_indices_backward(grad, x, *window, indices)
+    torch.testing.assert_close(max_pool3d_with_indices_backward(grad, x, *window, indices), expected)

@@ -78,13 +78,13 @@ class UpsamplingDecoder(nn.Module):
 
 
 class PoolingHeads(nn.Module):
-    """Pooling and padding whose gradients ONNX cannot express directly: VGG's adaptive pool to a grid, adaptive
-    max pooling, Inception's average pool that does not count padding, ResNet-D's ceil-mode average pool, and
-    reflection and replication padding between convolutions."""
+    """Pooling and padding whose gradients ONNX cannot express directly: AlexNet's local response norm, VGG's
+    adaptive pool to a grid, adaptive max pooling, Inception's average pool that does not count padding,
+    ResNet-D's ceil-mode average pool, and reflection and replication padding between convolutions."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.LocalResponseNorm(3))
         self.pad = nn.Sequential(nn.ReflectionPad2d((1, 2, 2, 1)), nn.Conv2d(8, 8, 3), nn.ReplicationPad2d(1))
         self.inception = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
         self.downsample = nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
@@ -96,6 +96,25 @@ class PoolingHeads(nn.Module):
         h = self.pad(torch.relu(self.conv(x)))
         h = self.downsample(self.inception(h))
         return self.head(torch.cat([self.grid(h).flatten(1), self.peak(h).flatten(1)], dim=1))
+
+
+class VideoClip(nn.Module):
+    """A 3-d convolutional net over short clips: Conv3d, BatchNorm3d, max and ceil-mode average 3-d pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv3d(3, 8, 3, padding=1),
+            nn.BatchNorm3d(8),
+            nn.ReLU(),
+            nn.MaxPool3d((1, 2, 2)),
+            nn.Conv3d(8, 8, 3, padding=1),
+            nn.AvgPool3d(2, ceil_mode=True, count_include_pad=False),
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3, 4)))
 
 
 class TransformerClassifier(nn.Module):
@@ -331,6 +350,7 @@ CASES = [
         ),
     ),
     Case("pooling_heads", PoolingHeads, lambda g: ((_randn(g, 2, 3, 9, 5, grad=True),), {})),
+    Case("video_clip", VideoClip, lambda g: ((_randn(g, 2, 3, 5, 8, 7, grad=True),), {})),
     Case("conv_transpose_decoder", UpsamplingDecoder, lambda g: ((_randn(g, 2, 3, 8, 8, grad=True),), {})),
     Case("causal_lm", CausalLM, lambda g: ((torch.randint(0, 64, (2, 16), generator=g),), {})),
     Case(

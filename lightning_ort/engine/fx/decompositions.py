@@ -636,15 +636,8 @@ def avg_pool2d_backward(
     count_include_pad: bool,
     divisor_override: int | None,
 ) -> torch.Tensor:
-    """Average pooling's input gradient as a depthwise transposed convolution with a constant kernel.
-
-    Each output gradient is spread evenly over its window: ``conv_transpose2d`` of the gradient with a kernel of
-    ``1 / divisor``, one group per channel, where every window has the same divisor (no padding, or padding
-    counted, and no ceil-mode windows past the border). Elsewhere (``count_include_pad=False`` with padding, as
-    in Inception; ``ceil_mode``, as in ResNet-D's downsampling) the gradient is first divided by each window's
-    own divisor, the product of its row and column counts (:func:`_window_counts`), then spread with a kernel of
-    ones, and the spread cropped to the input where a ceil-mode window reaches past it. Pools whose sizes are
-    still symbolic keep ATen's op (no ONNX translation: it runs in PyTorch).
+    """Average pooling's input gradient as a depthwise transposed convolution with a constant kernel
+    (:func:`_average_pooling_backward` on two axes).
 
     Example:
         >>> x = torch.randn(2, 3, 8, 8)
@@ -657,34 +650,93 @@ def avg_pool2d_backward(
         >>> torch.allclose(ours, aten.avg_pool2d_backward(g, x, [3, 3], [2, 2], [1, 1], True, False, None))
         True
     """
-    kernel = list(kernel_size) if len(kernel_size) == 2 else [kernel_size[0]] * 2
-    steps = list(stride) if len(stride) == 2 else list(kernel) if not stride else [stride[0]] * 2
-    pads = list(padding) if len(padding) == 2 else [padding[0]] * 2
+    window = _pooling_window(kernel_size, stride, padding, axes=2)
+    return _average_pooling_backward(grad_output, input, *window, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool3d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """3-d average pooling's input gradient (``nn.AvgPool3d``; ``nn.LocalResponseNorm`` pools over channels
+    with it), as :func:`avg_pool2d_backward` on three axes.
+
+    Example:
+        >>> x = torch.randn(2, 3, 5, 6, 7)
+        >>> g = torch.randn(2, 3, 3, 4, 4)
+        >>> ours = avg_pool3d_backward(g, x, [2, 2, 2], [2, 2, 2], [1, 1, 1], False, False, None)
+        >>> torch.allclose(ours, aten.avg_pool3d_backward(g, x, [2, 2, 2], [2, 2, 2], [1, 1, 1], False, False, None))
+        True
+    """
+    window = _pooling_window(kernel_size, stride, padding, axes=3)
+    return _average_pooling_backward(grad_output, input, *window, ceil_mode, count_include_pad, divisor_override)
+
+
+def _pooling_window(
+    kernel_size: Sequence[int], stride: Sequence[int], padding: Sequence[int], axes: int
+) -> tuple[list[int], list[int], list[int]]:
+    """A pooling's kernel, stride and padding per axis, from ATen's forms (one value for all axes; an empty
+    stride for the kernel's)."""
+    kernel = list(kernel_size) if len(kernel_size) == axes else [kernel_size[0]] * axes
+    steps = list(stride) if len(stride) == axes else list(kernel) if not stride else [stride[0]] * axes
+    pads = list(padding) if len(padding) == axes else [padding[0]] * axes
+    return kernel, steps, pads
+
+
+def _average_pooling_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel: list[int],
+    steps: list[int],
+    pads: list[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> torch.Tensor:
+    """Average pooling's input gradient on ``len(kernel)`` axes, batched input only.
+
+    Each output gradient is spread evenly over its window: a transposed convolution of the gradient with a kernel
+    of ``1 / divisor``, one group per channel, where every window has the same divisor (no padding, or padding
+    counted, and no ceil-mode windows past the border). Elsewhere (``count_include_pad=False`` with padding, as
+    in Inception; ``ceil_mode``, as in ResNet-D's downsampling) the gradient is first divided by each window's
+    own divisor, the product of its counts along each axis (:func:`_window_counts`), then spread with a kernel of
+    ones, and the spread cropped to the input where a ceil-mode window reaches past it. Pools whose sizes are
+    still symbolic keep ATen's op (no ONNX translation: it runs in PyTorch).
+    """
+    axes = len(kernel)
     sizes = [*input.shape[2:], *grad_output.shape[2:]]
-    if input.dim() != 4 or not all(isinstance(size, int) for size in sizes):
+    if input.dim() != axes + 2 or not all(isinstance(size, int) for size in sizes):
         return NotImplemented
-    channels = input.shape[1]
+    channels, extents, windows = input.shape[1], list(input.shape[2:]), list(grad_output.shape[2:])
     uniform = not ceil_mode and (count_include_pad or not any(pads))
     if divisor_override or uniform:
-        divisor = divisor_override or kernel[0] * kernel[1]
+        divisor = divisor_override or math.prod(kernel)
         scaled = grad_output
         weight = torch.full((channels, 1, *kernel), 1.0 / divisor, dtype=grad_output.dtype, device=grad_output.device)
     else:
-        rows, cols = (
-            _window_counts(
-                input.shape[2 + i], grad_output.shape[2 + i], kernel[i], steps[i], pads[i], count_include_pad
+        divisors = torch.ones(windows, dtype=torch.int64)
+        for axis in range(axes):
+            counts = _window_counts(
+                extents[axis], windows[axis], kernel[axis], steps[axis], pads[axis], count_include_pad
             )
-            for i in range(2)
-        )
-        scaled = grad_output / (rows[:, None] * cols[None, :]).to(grad_output)
+            divisors = divisors * counts.reshape([-1] + [1] * (axes - 1 - axis))
+        scaled = grad_output / divisors.to(grad_output)
         weight = torch.ones((channels, 1, *kernel), dtype=grad_output.dtype, device=grad_output.device)
-    spread = [(grad_output.shape[2 + i] - 1) * steps[i] - 2 * pads[i] + kernel[i] for i in range(2)]
-    adjust = [min(max(input.shape[2 + i] - spread[i], 0), steps[i] - 1) for i in range(2)]
-    grad_input = aten.convolution(scaled, weight, None, steps, pads, [1, 1], True, adjust, channels)
-    missing = [input.shape[2 + i] - spread[i] - adjust[i] for i in range(2)]  # rows no window reads
-    if any(missing[i] > 0 for i in range(2)):
-        grad_input = torch.nn.functional.pad(grad_input, [0, max(missing[1], 0), 0, max(missing[0], 0)])
-    return grad_input[:, :, : input.shape[2], : input.shape[3]]
+    spread = [(windows[i] - 1) * steps[i] - 2 * pads[i] + kernel[i] for i in range(axes)]
+    adjust = [min(max(extents[i] - spread[i], 0), steps[i] - 1) for i in range(axes)]
+    grad_input = aten.convolution(scaled, weight, None, steps, pads, [1] * axes, True, adjust, channels)
+    missing = [max(extents[i] - spread[i] - adjust[i], 0) for i in range(axes)]  # positions no window reads
+    if any(missing):
+        grad_input = torch.nn.functional.pad(grad_input, [edge for m in reversed(missing) for edge in (0, m)])
+    for axis in range(axes):
+        grad_input = grad_input.narrow(2 + axis, 0, extents[axis])
+    return grad_input
 
 
 def _window_counts(
@@ -797,6 +849,31 @@ def _copied_positions(size: int, padded: int, before: int, reflect: bool) -> tor
     return (torch.arange(size)[None, :] == source[:, None]).float()
 
 
+def max_pool3d_with_indices_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> torch.Tensor:
+    """3-d max pooling's input gradient (``nn.MaxPool3d``, video and volumetric nets): each output gradient
+    added at the position its window selected, the forward's flat per-volume ``indices``.
+
+    Example:
+        >>> x = torch.randn(2, 3, 5, 6, 7)
+        >>> y, idx = aten.max_pool3d_with_indices(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], True)
+        >>> g = torch.randn_like(y)
+        >>> window = ([2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], True)
+        >>> ours = max_pool3d_with_indices_backward(g, x, *window, idx)
+        >>> torch.equal(ours, aten.max_pool3d_with_indices_backward(g, x, *window, idx))
+        True
+    """
+    return _scatter_to_indices(grad_output, input, indices, axes=3)
+
+
 def max_pool2d_with_indices_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -824,16 +901,17 @@ def max_pool2d_with_indices_backward(
     return _scatter_to_indices(grad_output, input, indices)
 
 
-def _scatter_to_indices(grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``grad_output`` added, per image plane, at the flat positions ``indices`` of ``input``'s planes (in
-    float32 for half-precision gradients)."""
-    planes = input.shape[:-2]
-    height, width = input.shape[-2:]
+def _scatter_to_indices(
+    grad_output: torch.Tensor, input: torch.Tensor, indices: torch.Tensor, axes: int = 2
+) -> torch.Tensor:
+    """``grad_output`` added, per image plane (volume, for three ``axes``), at the flat positions ``indices`` of
+    ``input``'s planes (in float32 for half-precision gradients)."""
+    planes, extents = input.shape[:-axes], input.shape[-axes:]
     accumulate = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
-    grad = grad_output.reshape(-1, grad_output.shape[-2] * grad_output.shape[-1]).to(accumulate)
+    grad = grad_output.reshape(-1, math.prod(grad_output.shape[-axes:])).to(accumulate)
     positions = indices.reshape(grad.shape)
-    zeros = grad.new_zeros((grad.shape[0], height * width))
-    return zeros.scatter_add(1, positions, grad).to(grad_output.dtype).reshape(*planes, height, width)
+    zeros = grad.new_zeros((grad.shape[0], math.prod(extents)))
+    return zeros.scatter_add(1, positions, grad).to(grad_output.dtype).reshape(*planes, *extents)
 
 
 def addmm(
@@ -1061,6 +1139,8 @@ def capture_decompositions(
         aten._safe_softmax.default: safe_softmax,
         aten.addmm.default: addmm,
         aten.avg_pool2d_backward.default: avg_pool2d_backward,
+        aten.avg_pool3d_backward.default: avg_pool3d_backward,
+        aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
         aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
         aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
         aten.replication_pad2d_backward.default: replication_pad2d_backward,
