@@ -6,8 +6,8 @@
   a 1x1 projection, with ReLU6), whose cost is depthwise and pointwise convolutions;
 * :class:`ConvNeXt`: ConvNeXt blocks (a 7x7 depthwise convolution, LayerNorm over channels, a pointwise MLP
   with GELU and a layer scale), at a reduced width and depth;
-* :class:`EfficientNetB0`: EfficientNet-B0 (MBConv blocks: 1x1 expansion, 3x3 or 5x5 depthwise convolution,
-  squeeze-and-excitation, 1x1 projection, with SiLU), whose cost is depthwise convolutions and SiLU's passes;
+* :class:`EfficientNetB0`: EfficientNet-B0 (MBConv blocks, :class:`InvertedResidual` with 3x3 or 5x5 depthwise
+  convolutions, squeeze-and-excitation and SiLU), whose cost is depthwise convolutions and SiLU's passes;
 * :class:`UNet`: a diffusion model's U-Net (residual blocks of GroupNorm, SiLU and 3x3 convolutions, strided
   convolutions down, transposed convolutions up, skips concatenated), at a reduced width.
 
@@ -73,24 +73,40 @@ class ResNet18(nn.Module):
 
 
 class InvertedResidual(nn.Module):
-    """MobileNetV2's block: 1x1 expansion by ``expand``, 3x3 depthwise convolution, 1x1 projection, ReLU6; a
-    skip when the shape is kept.
+    """MobileNetV2's block: 1x1 expansion by ``expand``, ``kernel`` x ``kernel`` depthwise convolution, 1x1
+    projection, ``activation`` (ReLU6); a skip when the shape is kept. EfficientNet's MBConv is this block with
+    SiLU and a squeeze-and-excitation to ``squeezed`` channels after the depthwise convolution.
 
     Example:
         >>> InvertedResidual(16, 16, stride=1, expand=6)(torch.randn(2, 16, 8, 8)).shape
         torch.Size([2, 16, 8, 8])
+        >>> InvertedResidual(16, 16, 1, 6, kernel=5, activation=nn.SiLU, squeezed=4)(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 16, 8, 8])
     """
 
-    def __init__(self, channels_in: int, channels_out: int, stride: int, expand: int) -> None:
+    def __init__(
+        self,
+        channels_in: int,
+        channels_out: int,
+        stride: int,
+        expand: int,
+        kernel: int = 3,
+        activation: type[nn.Module] = nn.ReLU6,
+        squeezed: int = 0,
+    ) -> None:
         super().__init__()
         hidden = channels_in * expand
         layers: list[nn.Module] = []
         if expand != 1:
-            layers += [nn.Conv2d(channels_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+            layers += [nn.Conv2d(channels_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), activation()]
         layers += [
-            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.Conv2d(hidden, hidden, kernel, stride, kernel // 2, groups=hidden, bias=False),
             nn.BatchNorm2d(hidden),
-            nn.ReLU6(),
+            activation(),
+        ]
+        if squeezed:
+            layers.append(SqueezeExcitation(hidden, squeezed))
+        layers += [
             nn.Conv2d(hidden, channels_out, 1, bias=False),
             nn.BatchNorm2d(channels_out),
         ]
@@ -216,38 +232,6 @@ class SqueezeExcitation(nn.Module):
         return x * torch.sigmoid(gate)
 
 
-class MBConv(nn.Module):
-    """EfficientNet's block: 1x1 expansion by ``expand``, ``kernel`` x ``kernel`` depthwise convolution,
-    squeeze-and-excitation to a quarter of the input's channels, 1x1 projection; SiLU; a skip when the shape is
-    kept.
-
-    Example:
-        >>> MBConv(16, 16, kernel=5, stride=1, expand=6)(torch.randn(2, 16, 8, 8)).shape
-        torch.Size([2, 16, 8, 8])
-    """
-
-    def __init__(self, channels_in: int, channels_out: int, kernel: int, stride: int, expand: int) -> None:
-        super().__init__()
-        hidden = channels_in * expand
-        layers: list[nn.Module] = []
-        if expand != 1:
-            layers += [nn.Conv2d(channels_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.SiLU()]
-        layers += [
-            nn.Conv2d(hidden, hidden, kernel, stride, kernel // 2, groups=hidden, bias=False),
-            nn.BatchNorm2d(hidden),
-            nn.SiLU(),
-            SqueezeExcitation(hidden, max(1, channels_in // 4)),
-            nn.Conv2d(hidden, channels_out, 1, bias=False),
-            nn.BatchNorm2d(channels_out),
-        ]
-        self.layers = nn.Sequential(*layers)
-        self.residual = stride == 1 and channels_in == channels_out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.layers(x)
-        return x + y if self.residual else y
-
-
 class EfficientNetB0(nn.Module):
     """EfficientNet-B0 with ``classes`` outputs (no stochastic depth or dropout: the bench compares steps).
 
@@ -273,7 +257,9 @@ class EfficientNetB0(nn.Module):
         channels = 32
         for expand, width, blocks, stride, kernel in self.SETTINGS:
             for index in range(blocks):
-                layers.append(MBConv(channels, width, kernel, stride if index == 0 else 1, expand))
+                block_stride = stride if index == 0 else 1
+                squeezed = max(1, channels // 4)
+                layers.append(InvertedResidual(channels, width, block_stride, expand, kernel, nn.SiLU, squeezed))
                 channels = width
         layers += [nn.Conv2d(channels, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.SiLU()]
         self.features = nn.Sequential(*layers)

@@ -769,9 +769,16 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor)
     sizes = [*input.shape[-2:], *grad_output.shape[-2:]]
     if input.dim() not in (3, 4) or not all(isinstance(size, int) for size in sizes):
         return NotImplemented
-    rows = _adaptive_windows(input.shape[-2], grad_output.shape[-2]).to(grad_output)
-    cols = _adaptive_windows(input.shape[-1], grad_output.shape[-1]).to(grad_output)
-    return torch.matmul(torch.matmul(rows.t(), grad_output), cols)
+    rows = _adaptive_windows(input.shape[-2], grad_output.shape[-2])
+    cols = _adaptive_windows(input.shape[-1], grad_output.shape[-1])
+    return _plane_products(grad_output, rows, cols)
+
+
+def _plane_products(grad_output: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``rows^T @ grad @ cols`` for each plane of ``grad_output``: the input gradient of ``rows @ x @ cols^T``,
+    a map of each plane by a constant matrix along each axis (``rows`` and ``cols`` float32 on the CPU, moved
+    to the gradient's dtype and device)."""
+    return torch.matmul(torch.matmul(rows.t().to(grad_output), grad_output), cols.to(grad_output))
 
 
 def _adaptive_windows(size: int, windows: int) -> torch.Tensor:
@@ -830,14 +837,14 @@ def _copied_rows_backward(
     grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int], reflect: bool
 ) -> torch.Tensor:
     """The input gradient of a 2-d pad that copies input rows and columns (``padding``: left, right, top,
-    bottom): ``R_h^T @ grad @ R_w``, ``R`` one-hot by the copied position (:func:`_copied_positions`)."""
+    bottom): :func:`_plane_products` with matrices one-hot by the copied position (:func:`_copied_positions`)."""
     sizes = [*input.shape[-2:], *grad_output.shape[-2:]]
     if len(padding) != 4 or not all(isinstance(size, int) for size in sizes):
         return NotImplemented
     left, _, top, _ = padding
-    rows = _copied_positions(input.shape[-2], grad_output.shape[-2], top, reflect).to(grad_output)
-    cols = _copied_positions(input.shape[-1], grad_output.shape[-1], left, reflect).to(grad_output)
-    return torch.matmul(torch.matmul(rows.t(), grad_output), cols)
+    rows = _copied_positions(input.shape[-2], grad_output.shape[-2], top, reflect)
+    cols = _copied_positions(input.shape[-1], grad_output.shape[-1], left, reflect)
+    return _plane_products(grad_output, rows, cols)
 
 
 def _copied_positions(size: int, padded: int, before: int, reflect: bool) -> torch.Tensor:

@@ -18,6 +18,7 @@ each rewrite sees a gradient together with the forward op it belongs to.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -105,7 +106,8 @@ def reshape_dense_strides(gm: torch.fx.GraphModule) -> int:
             reshaped, shape = base, list(size)
         with gm.graph.inserting_before(node):
             reshape = gm.graph.call_function(aten.reshape.default, (reshaped, shape))
-        reshape.meta = {**node.meta, "val": _reshaped_value(reshaped.meta["val"], shape)}
+        with _fake_mode_of([reshaped.meta["val"]]):
+            reshape.meta = {**node.meta, "val": reshaped.meta["val"].reshape(shape)}
         node.replace_all_uses_with(reshape)
         gm.graph.erase_node(node)
         if scatter and base.op == "call_function" and not base.users:
@@ -128,12 +130,11 @@ def _row_major(size: object, stride: object) -> bool:
     return True
 
 
-def _reshaped_value(value: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    fake_mode = detect_fake_mode([value])
-    if fake_mode is None:
-        return value.reshape(shape)
-    with fake_mode:
-        return value.reshape(shape)
+def _fake_mode_of(values: list[torch.Tensor]) -> contextlib.AbstractContextManager[object]:
+    """The fake tensor mode ``values`` were made under (none for real tensors), under which a new node's value is
+    computed from theirs."""
+    fake_mode = detect_fake_mode(values)
+    return fake_mode if fake_mode is not None else contextlib.nullcontext()
 
 
 def cancel_permutes(gm: torch.fx.GraphModule) -> int:
@@ -216,7 +217,9 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
         grads = [by_index[i] for i in range(count)]
         with gm.graph.inserting_before(node):
             stacked = gm.graph.call_function(aten.stack.default, (grads, dim))
-        stacked.meta = {**node.meta, "val": _stacked_value([g.meta["val"] for g in grads], dim)}
+        values = [g.meta["val"] for g in grads]
+        with _fake_mode_of(values):
+            stacked.meta = {**node.meta, "val": torch.stack(values, dim)}
         node.replace_all_uses_with(stacked)
         _erase_tree(gm.graph, node)
         replaced += 1
@@ -272,14 +275,6 @@ def _erase_tree(graph: torch.fx.Graph, root: torch.fx.Node) -> None:
             _erase_tree(graph, operand)
         else:
             graph.erase_node(operand)
-
-
-def _stacked_value(values: list[torch.Tensor], dim: int) -> torch.Tensor:
-    fake_mode = detect_fake_mode(values)
-    if fake_mode is None:
-        return torch.stack(values, dim)
-    with fake_mode:
-        return torch.stack(values, dim)
 
 
 def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, saved_from: int) -> int:
