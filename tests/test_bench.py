@@ -33,8 +33,9 @@ def tiny_workload(device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, 
 @pytest.mark.slow
 def test_quick_benchmark_runs_all_reference_workloads_and_a_user_module(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    # The Lightning timing runs on the first workload: the mlp's exports are the quickest.
-    args = ["--workload", "mlp", "--workload", "transformer", "--workload", "cnn"]
+    # The Lightning timing runs on the first workload: the mlp's exports are the quickest. The transformer, the
+    # slowest to compile, is left to the tests of its FLOPs and of its training in ONNX Runtime.
+    args = ["--workload", "mlp", "--workload", "cnn"]
     args += ["--module", "tests.test_bench:tiny_workload", "--steps", "2", "--warmup", "0", "--json", str(out)]
     result = subprocess.run(
         [sys.executable, "-m", "lightning_ort.bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
@@ -42,18 +43,17 @@ def test_quick_benchmark_runs_all_reference_workloads_and_a_user_module(tmp_path
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     names = [w["workload"] for w in report["workloads"]]
-    assert names == ["mlp", "transformer", "cnn", "tests.test_bench:tiny_workload"]
+    assert names == ["mlp", "cnn", "tests.test_bench:tiny_workload"]
     for workload in report["workloads"]:
         assert set(workload["runtimes"]) == {"eager", "inductor", "ort"}
         assert workload["floor_ms"] > 0
-        # dropout masks differ between eager and ORT, so only the dropout-free workloads agree closely
-        assert workload["max_abs_loss_diff_ort"] < (0.5 if workload["workload"] == "transformer" else 1e-3)
+        assert workload["max_abs_loss_diff_ort"] < 1e-3
         for runtime in workload["runtimes"].values():
             assert len(runtime["step_ms_all"]) == 2
             assert runtime["first_step_s"] > 0
             assert runtime["peak_memory_mib"] > 0
             assert runtime["pytorch_fallback"] == "", "a reference workload must run wholly in ONNX Runtime"
-    assert report["workloads"][1]["matmul_gflop"] == pytest.approx(43, rel=0.1)
+    assert report["workloads"][1]["matmul_gflop"] == pytest.approx(18.7, rel=0.01)
     assert report["lightning"]["workload"] == "mlp" and report["lightning"]["lightning_ms"] > 0
     assert report["inductor_cache"] == "cold"
     for line in ("vs eager", "x floor", "first step s", "peak MiB", "Trainer(strategy='ort')", "with a cold cache"):
@@ -83,6 +83,27 @@ def test_matmul_flops_of_the_mlp_step() -> None:
     # backward: weight gradients of all three layers, input gradients of the last two (the input needs none)
     backward = 2 * 256 * (512 * 2048 + 2 * 2048 * 2048 + 2 * 2048 * 10)
     assert bench.step_matmul_flops(workload) == forward + backward
+
+
+def test_matmul_flops_of_the_transformer_step() -> None:
+    workload = bench_workloads.transformer_workload(torch.device("cpu"))
+    assert bench.step_matmul_flops(workload) / 1e9 == pytest.approx(43, rel=0.1)
+
+
+def test_the_transformer_workload_trains_in_onnx_runtime_as_eager() -> None:
+    from lightning_ort import ORTModule
+
+    workload = bench_workloads.transformer_workload(torch.device("cpu"))
+    workload.model.eval()  # dropout off: eager's and ONNX Runtime's masks differ
+    wrapped = ORTModule(copy.deepcopy(workload.model), fallback="raise")
+    expected = workload.loss_fn(workload.forward(workload.model))
+    loss = workload.loss_fn(workload.forward(wrapped))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    for (name, param), reference in zip(wrapped.named_parameters(), workload.model.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
 
 
 @pytest.mark.parametrize(("groups", "transposed"), [(1, False), (48, False), (4, True)])
