@@ -71,6 +71,8 @@ OUR_FAMILIES = (
     "nn.functional.local_response_norm",
     "nn.functional.pad.reflect",
     "nn.functional.pad.replicate",
+    "nn.functional.grid_sample",
+    "grid_sampler_2d",
     "nn.functional.linear",
     "addmm",
     "matmul",

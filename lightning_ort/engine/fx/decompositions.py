@@ -22,6 +22,8 @@ Core ATen decompositions, plus:
 * ``max_pool2d_with_indices_backward`` (no ONNX translation) as a ``scatter_add`` of the output gradient at the
   forward's indices (ONNX ``ScatterElements`` with ``reduction="add"``), so ties and overlapping windows accumulate
   as in ATen;
+* ``grid_sampler_2d_backward`` (no ONNX translation; bilinear and nearest) as gathers and a ``scatter_add``
+  (:mod:`lightning_ort.engine.fx.grid_sample`);
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
@@ -41,6 +43,7 @@ import torch
 
 from lightning_ort.engine.fx.conv_phases import phase_input_grad
 from lightning_ort.engine.fx.gelu import gelu_backward
+from lightning_ort.engine.fx.grid_sample import grid_sampler_2d_backward
 from lightning_ort.engine.fx.group_norm import group_norm, group_norm_backward
 from lightning_ort.engine.fx.layer_norm import layer_norm_backward
 from lightning_ort.engine.fx.silu import silu_backward
@@ -1153,6 +1156,7 @@ def capture_decompositions(
         aten.replication_pad2d_backward.default: replication_pad2d_backward,
         aten.reflection_pad2d_backward.default: reflection_pad2d_backward,
         aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
+        aten.grid_sampler_2d_backward.default: grid_sampler_2d_backward,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
