@@ -32,6 +32,7 @@ from lightning_ort.engine.fx.decompositions import (
     reflection_pad2d_backward,
     replication_pad2d_backward,
     threshold_backward,
+    weight_norm_interface_backward,
 )
 from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
 from lightning_ort.options import ConvWeightGrad
@@ -562,3 +563,28 @@ def test_3d_pooling_gradients_match_aten(
     grad = torch.randn(pooled.shape, generator=g)
     expected = aten.max_pool3d_with_indices_backward(grad, x, *window, indices)
     torch.testing.assert_close(max_pool3d_with_indices_backward(grad, x, *window, indices), expected)
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((6, 4, 3), 0), ((6, 4, 3), 2), ((5, 7), 1)])
+def test_weight_norm_gradients_match_aten(shape: tuple[int, ...], dim: int) -> None:
+    torch.manual_seed(0)
+    v = torch.randn(shape, dtype=torch.float64)
+    g = torch.randn([size if axis == dim % len(shape) else 1 for axis, size in enumerate(shape)], dtype=torch.float64)
+    w, norms = aten._weight_norm_interface(v, g, dim)
+    grad = torch.randn_like(w)
+    ours = weight_norm_interface_backward(grad, v, g, norms, dim)
+    theirs = aten._weight_norm_interface_backward(grad, v, g, norms, dim)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_norm_gradients_of_bfloat16_weights_are_computed_in_float32() -> None:
+    torch.manual_seed(0)
+    v, g = torch.randn(4, 512, dtype=torch.bfloat16), torch.randn(4, 1, dtype=torch.bfloat16)
+    _, norms = aten._weight_norm_interface(v, g, 0)
+    grad = torch.randn(4, 512, dtype=torch.bfloat16)
+    grad_v, grad_g = weight_norm_interface_backward(grad, v, g, norms, 0)
+    exact = weight_norm_interface_backward(grad.double(), v.double(), g.double(), norms.double(), 0)
+    assert grad_v.dtype == grad_g.dtype == torch.bfloat16
+    torch.testing.assert_close(grad_g, exact[1].to(torch.bfloat16), rtol=0, atol=0)

@@ -117,6 +117,25 @@ class VideoClip(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3, 4)))
 
 
+class Vocoder(nn.Module):
+    """A HiFi-GAN-style generator: weight-normalised 1-d convolutions, a transposed convolution upsampling the
+    frames, and a dilated residual block, with leaky ReLUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        weight_norm = nn.utils.parametrizations.weight_norm
+        self.pre = weight_norm(nn.Conv1d(8, 16, 7, padding=3))
+        self.up = weight_norm(nn.ConvTranspose1d(16, 8, 4, stride=2, padding=1))
+        self.dilated = nn.ModuleList(weight_norm(nn.Conv1d(8, 8, 3, dilation=d, padding=d)) for d in (1, 3))
+        self.post = weight_norm(nn.Conv1d(8, 1, 7, padding=3))
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = self.up(nn.functional.leaky_relu(self.pre(mel), 0.1))
+        for conv in self.dilated:
+            x = x + conv(nn.functional.leaky_relu(x, 0.1))
+        return torch.tanh(self.post(nn.functional.leaky_relu(x, 0.1)))
+
+
 class TransformerClassifier(nn.Module):
     """``nn.TransformerEncoder`` stack with embedding and head: the model onnxruntime-training failed on."""
 
@@ -352,6 +371,7 @@ CASES = [
     Case("pooling_heads", PoolingHeads, lambda g: ((_randn(g, 2, 3, 9, 5, grad=True),), {})),
     Case("video_clip", VideoClip, lambda g: ((_randn(g, 2, 3, 5, 8, 7, grad=True),), {})),
     Case("conv_transpose_decoder", UpsamplingDecoder, lambda g: ((_randn(g, 2, 3, 8, 8, grad=True),), {})),
+    Case("vocoder_weight_norm", Vocoder, lambda g: ((_randn(g, 2, 8, 12, grad=True),), {})),
     Case("causal_lm", CausalLM, lambda g: ((torch.randint(0, 64, (2, 16), generator=g),), {})),
     Case(
         "multi_input_kwargs",

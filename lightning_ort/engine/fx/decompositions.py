@@ -24,6 +24,7 @@ Core ATen decompositions, plus:
   as in ATen;
 * ``grid_sampler_2d_backward`` (no ONNX translation; bilinear and nearest) as gathers and a ``scatter_add``
   (:mod:`lightning_ort.engine.fx.grid_sample`);
+* ``_weight_norm_interface_backward`` (weight normalisation's gradients) in ATen's analytic form;
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
@@ -1027,6 +1028,31 @@ def embedding_bag_backward(
     return torch.zeros(num_weights, grad.shape[1], dtype=grad.dtype, device=grad.device).index_add(0, indices, rows)
 
 
+def weight_norm_interface_backward(
+    grad_w: torch.Tensor, saved_v: torch.Tensor, saved_g: torch.Tensor, saved_norms: torch.Tensor, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight normalisation's gradients (``nn.utils.parametrizations.weight_norm``, as in HiFi-GAN, MelGAN and
+    WaveNet vocoders): ATen's analytic form (``_weight_norm_differentiable_backward``), with ``s`` the sums of
+    ``grad_w * v`` over all axes but ``dim``: ``grad_v = g / |v| * (grad_w - v * s / |v|^2)``, ``grad_g = s /
+    |v|``. 16-bit tensors are computed in float32, as ATen's kernel accumulates.
+
+    Example:
+        >>> v, g = torch.randn(4, 3, 5), torch.randn(4, 1, 1)
+        >>> w, norms = aten._weight_norm_interface(v, g, 0)
+        >>> grad = torch.randn_like(w)
+        >>> ours = weight_norm_interface_backward(grad, v, g, norms, 0)
+        >>> theirs = aten._weight_norm_interface_backward(grad, v, g, norms, 0)
+        >>> all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))
+        True
+    """
+    compute = torch.float32 if saved_v.dtype in (torch.float16, torch.bfloat16) else saved_v.dtype
+    grad, v, g, norms = (t.to(compute) for t in (grad_w, saved_v, saved_g, saved_norms))
+    axes = [axis for axis in range(v.dim()) if axis != dim % v.dim()]
+    sums = (grad * v).sum(dim=axes, keepdim=True)
+    grad_v = g / norms * (grad - v * (sums / (norms * norms)))
+    return grad_v.to(saved_v.dtype), (sums / norms).reshape(saved_g.shape).to(saved_g.dtype)
+
+
 def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """``aten.copy``: ``src`` broadcast to ``self``'s shape, in ``self``'s dtype.
 
@@ -1157,6 +1183,7 @@ def capture_decompositions(
         aten.reflection_pad2d_backward.default: reflection_pad2d_backward,
         aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
         aten.grid_sampler_2d_backward.default: grid_sampler_2d_backward,
+        aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
