@@ -30,7 +30,9 @@ from lightning_ort.engine.fx.decompositions import (
     max_pool2d_with_indices_backward,
     max_pool3d_with_indices_backward,
     reflection_pad2d_backward,
+    replication_pad1d_backward,
     replication_pad2d_backward,
+    replication_pad3d_backward,
     threshold_backward,
     weight_norm_interface_backward,
 )
@@ -543,6 +545,38 @@ def test_replication_and_reflection_padding_gradients_match_aten(padding: list[i
     torch.testing.assert_close(
         reflection_pad2d_backward(grad, x, padding), aten.reflection_pad2d_backward(grad, x, padding)
     )
+
+
+@pytest.mark.parametrize("padding", [[1, 1, 1, 1, 1, 1], [2, 0, 0, 3, 1, 2], [0, 1]])
+def test_1d_and_3d_replication_padding_gradients_match_aten(padding: list[int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    sizes = (4, 5, 3)[-len(padding) // 2 :]
+    x = torch.randn(2, 3, *sizes, generator=g)
+    padded = [
+        size + padding[2 * (len(sizes) - 1 - i)] + padding[2 * (len(sizes) - 1 - i) + 1] for i, size in enumerate(sizes)
+    ]
+    grad = torch.randn(2, 3, *padded, generator=g)
+    ours, theirs = (replication_pad1d_backward, aten.replication_pad1d_backward)
+    if len(sizes) == 3:
+        ours, theirs = (replication_pad3d_backward, aten.replication_pad3d_backward)
+    torch.testing.assert_close(ours(grad, x, padding), theirs(grad, x, padding))
+
+
+def test_replicate_padded_convolutions_train_in_onnx_runtime_alone() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(2, 4, 3, padding=1, padding_mode="replicate"),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(1, 2),
+        torch.nn.Conv2d(4 * 4, 3, 3, padding=2, padding_mode="replicate"),
+    )
+    wrapped = ORTModule(copy.deepcopy(model), fallback="raise")
+    x = torch.randn(2, 2, 4, 6, 5)
+    wrapped(x).square().mean().backward()
+    model(x).square().mean().backward()
+    for (name, param), reference in zip(wrapped.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
 
 
 @pytest.mark.parametrize(

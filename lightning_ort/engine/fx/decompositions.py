@@ -775,14 +775,22 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor)
         return NotImplemented
     rows = _adaptive_windows(input.shape[-2], grad_output.shape[-2])
     cols = _adaptive_windows(input.shape[-1], grad_output.shape[-1])
-    return _plane_products(grad_output, rows, cols)
+    return _axis_products(grad_output, [rows, cols])
 
 
-def _plane_products(grad_output: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """``rows^T @ grad @ cols`` for each plane of ``grad_output``: the input gradient of ``rows @ x @ cols^T``,
-    a map of each plane by a constant matrix along each axis (``rows`` and ``cols`` float32 on the CPU, moved
-    to the gradient's dtype and device)."""
-    return torch.matmul(torch.matmul(rows.t().to(grad_output), grad_output), cols.to(grad_output))
+def _axis_products(grad_output: torch.Tensor, maps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The input gradient of a map of each of ``grad_output``'s last ``len(maps)`` axes by a constant matrix
+    (``maps``, outermost axis first, each ``[out, in]``: the forward is ``map @ x`` along that axis): the
+    gradient contracted with each map along its axis, a left product over the axis with the ones after it
+    flattened, and a right product for the last axis, so that no axis moves. ``maps`` are float32 on the CPU,
+    moved to the gradient's dtype and device."""
+    grad = grad_output
+    for offset, matrix in enumerate(maps[:-1]):
+        axis = grad.dim() - len(maps) + offset
+        lead, inner = grad.shape[:axis], grad.shape[axis + 1 :]
+        flat = grad.reshape(*lead, grad.shape[axis], math.prod(inner))
+        grad = torch.matmul(matrix.t().to(grad), flat).reshape(*lead, matrix.shape[1], *inner)
+    return torch.matmul(grad, maps[-1].to(grad))
 
 
 def _adaptive_windows(size: int, windows: int) -> torch.Tensor:
@@ -809,6 +817,18 @@ def adaptive_max_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor,
     return _scatter_to_indices(grad_output, input, indices)
 
 
+def replication_pad1d_backward(grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
+    """``nn.ReplicationPad1d``'s input gradient (``nn.Conv1d(padding_mode="replicate")``), as
+    :func:`replication_pad2d_backward` along one axis.
+
+    Example:
+        >>> x, g = torch.randn(2, 3, 5), torch.randn(2, 3, 9)
+        >>> torch.allclose(replication_pad1d_backward(g, x, [3, 1]), aten.replication_pad1d_backward(g, x, [3, 1]))
+        True
+    """
+    return _copied_positions_backward(grad_output, input, padding, reflect=False)
+
+
 def replication_pad2d_backward(grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
     """``nn.ReplicationPad2d``'s input gradient: ``R_h^T @ grad @ R_w`` for each plane, ``R`` the one-hot
     ``[padded, size]`` matrix of the row (column) each padded position copies (the nearest border one).
@@ -820,7 +840,20 @@ def replication_pad2d_backward(grad_output: torch.Tensor, input: torch.Tensor, p
         >>> torch.allclose(ours, aten.replication_pad2d_backward(g, x, [2, 3, 1, 2]), atol=1e-6)
         True
     """
-    return _copied_rows_backward(grad_output, input, padding, reflect=False)
+    return _copied_positions_backward(grad_output, input, padding, reflect=False)
+
+
+def replication_pad3d_backward(grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
+    """``nn.ReplicationPad3d``'s input gradient (``nn.Conv3d(padding_mode="replicate")``, volumetric
+    segmentation nets), as :func:`replication_pad2d_backward` with a third one-hot matrix along depth.
+
+    Example:
+        >>> x, g = torch.randn(2, 3, 4, 5, 3), torch.randn(2, 3, 6, 8, 4)
+        >>> ours = replication_pad3d_backward(g, x, [1, 0, 2, 1, 1, 1])
+        >>> torch.allclose(ours, aten.replication_pad3d_backward(g, x, [1, 0, 2, 1, 1, 1]), atol=1e-6)
+        True
+    """
+    return _copied_positions_backward(grad_output, input, padding, reflect=False)
 
 
 def reflection_pad2d_backward(grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int]) -> torch.Tensor:
@@ -834,21 +867,24 @@ def reflection_pad2d_backward(grad_output: torch.Tensor, input: torch.Tensor, pa
         >>> torch.allclose(ours, aten.reflection_pad2d_backward(g, x, [2, 3, 1, 2]), atol=1e-6)
         True
     """
-    return _copied_rows_backward(grad_output, input, padding, reflect=True)
+    return _copied_positions_backward(grad_output, input, padding, reflect=True)
 
 
-def _copied_rows_backward(
+def _copied_positions_backward(
     grad_output: torch.Tensor, input: torch.Tensor, padding: Sequence[int], reflect: bool
 ) -> torch.Tensor:
-    """The input gradient of a 2-d pad that copies input rows and columns (``padding``: left, right, top,
-    bottom): :func:`_plane_products` with matrices one-hot by the copied position (:func:`_copied_positions`)."""
-    sizes = [*input.shape[-2:], *grad_output.shape[-2:]]
-    if len(padding) != 4 or not all(isinstance(size, int) for size in sizes):
+    """The input gradient of a pad that copies input positions along the last ``len(padding) / 2`` axes
+    (``padding``: before and after the last axis, then the one before it...): :func:`_axis_products` with
+    matrices one-hot by the copied position (:func:`_copied_positions`)."""
+    axes = len(padding) // 2
+    sizes = [*input.shape[-axes:], *grad_output.shape[-axes:]]
+    if axes not in (1, 2, 3) or len(padding) % 2 or not all(isinstance(size, int) for size in sizes):
         return NotImplemented
-    left, _, top, _ = padding
-    rows = _copied_positions(input.shape[-2], grad_output.shape[-2], top, reflect)
-    cols = _copied_positions(input.shape[-1], grad_output.shape[-1], left, reflect)
-    return _plane_products(grad_output, rows, cols)
+    maps = [
+        _copied_positions(input.shape[axis], grad_output.shape[axis], padding[2 * (-1 - axis)], reflect)
+        for axis in range(-axes, 0)
+    ]
+    return _axis_products(grad_output, maps)
 
 
 def _copied_positions(size: int, padded: int, before: int, reflect: bool) -> torch.Tensor:
@@ -1179,7 +1215,9 @@ def capture_decompositions(
         aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
         aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
         aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+        aten.replication_pad1d_backward.default: replication_pad1d_backward,
         aten.replication_pad2d_backward.default: replication_pad2d_backward,
+        aten.replication_pad3d_backward.default: replication_pad3d_backward,
         aten.reflection_pad2d_backward.default: reflection_pad2d_backward,
         aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
         aten.grid_sampler_2d_backward.default: grid_sampler_2d_backward,
