@@ -34,6 +34,7 @@ from lightning_ort.engine.fx.decompositions import (
     replication_pad2d_backward,
     replication_pad3d_backward,
     threshold_backward,
+    trilinear,
     weight_norm_interface_backward,
 )
 from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
@@ -622,3 +623,42 @@ def test_weight_norm_gradients_of_bfloat16_weights_are_computed_in_float32() -> 
     exact = weight_norm_interface_backward(grad.double(), v.double(), g.double(), norms.double(), 0)
     assert grad_v.dtype == grad_g.dtype == torch.bfloat16
     torch.testing.assert_close(grad_g, exact[1].to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "expands", "sumdim"),
+    [
+        # nn.Bilinear's forward and the three calls of its gradient
+        (((4, 5), (3, 5, 6), (4, 6)), ([1, 3], [0], [1, 2]), [2, 3]),
+        (((4, 3), (3, 5, 6), (4, 6)), ([2, 3], [0], [1, 2]), [1, 3]),
+        (((4, 5), (4, 3), (4, 6)), ([1, 3], [2, 3], [1, 2]), [0]),
+        (((4, 5), (3, 5, 6), (4, 3)), ([1, 3], [0], [2, 3]), [1, 2]),
+    ],
+)
+def test_trilinear_matches_aten(
+    shapes: tuple[tuple[int, ...], ...], expands: tuple[list[int], ...], sumdim: list[int]
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+    ours = trilinear(*tensors, *expands, sumdim)
+    theirs = aten._trilinear(*tensors, *expands, sumdim)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_trilinear_output_axis_no_input_has_stays_atens() -> None:
+    x = torch.randn(4)
+    assert trilinear(x, x, x, [1], [1], [1], []) is NotImplemented
+
+
+def test_bilinear_layer_trains_in_onnx_runtime_alone() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Bilinear(5, 6, 3)
+    wrapped = ORTModule(copy.deepcopy(model), fallback="raise")
+    x1, x2 = torch.randn(4, 5), torch.randn(4, 6)
+    torch.testing.assert_close(wrapped(x1, x2), model(x1, x2))
+    wrapped(x1, x2).square().mean().backward()
+    model(x1, x2).square().mean().backward()
+    for (name, param), reference in zip(wrapped.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0

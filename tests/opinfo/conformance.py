@@ -73,6 +73,7 @@ OUR_FAMILIES = (
     "nn.functional.pad.replicate",
     "nn.functional.grid_sample",
     "grid_sampler_2d",
+    "nn.functional.bilinear",
     "nn.functional.linear",
     "addmm",
     "matmul",

@@ -25,6 +25,7 @@ Core ATen decompositions, plus:
 * ``grid_sampler_2d_backward`` (no ONNX translation; bilinear and nearest) as gathers and a ``scatter_add``
   (:mod:`lightning_ort.engine.fx.grid_sample`);
 * ``_weight_norm_interface_backward`` (weight normalisation's gradients) in ATen's analytic form;
+* ``_trilinear`` (``nn.Bilinear``) as an ``einsum``;
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
@@ -1064,6 +1065,37 @@ def embedding_bag_backward(
     return torch.zeros(num_weights, grad.shape[1], dtype=grad.dtype, device=grad.device).index_add(0, indices, rows)
 
 
+def trilinear(
+    i1: torch.Tensor,
+    i2: torch.Tensor,
+    i3: torch.Tensor,
+    expand1: Sequence[int],
+    expand2: Sequence[int],
+    expand3: Sequence[int],
+    sumdim: Sequence[int],
+    unroll_dim: int = 1,
+) -> torch.Tensor:
+    """``aten._trilinear`` (``nn.Bilinear``'s forward and its gradients; no ONNX translation) as one ``einsum``:
+    each input unsqueezed at its ``expand`` axes, the three multiplied, summed over ``sumdim`` and those axes
+    dropped. ``unroll_dim`` only picks ATen's loop order. An output axis that every input was unsqueezed at
+    (which ATen gives size 0) keeps ATen's op.
+
+    Example:
+        >>> x1, w, x2 = torch.randn(4, 5), torch.randn(3, 5, 6), torch.randn(4, 6)
+        >>> args = ([1, 3], [0], [1, 2], [2, 3])
+        >>> torch.allclose(trilinear(x1, w, x2, *args), aten._trilinear(x1, w, x2, *args), atol=1e-5)
+        True
+    """
+    rank = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+    expands = (set(expand1), set(expand2), set(expand3))
+    inputs = ["".join(letters[axis] for axis in range(rank) if axis not in expand) for expand in expands]
+    kept = [axis for axis in range(rank) if axis not in sumdim]
+    if any(all(axis in expand for expand in expands) for axis in kept):
+        return NotImplemented
+    return torch.einsum(f"{','.join(inputs)}->{''.join(letters[axis] for axis in kept)}", i1, i2, i3)
+
+
 def weight_norm_interface_backward(
     grad_w: torch.Tensor, saved_v: torch.Tensor, saved_g: torch.Tensor, saved_norms: torch.Tensor, dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1222,6 +1254,7 @@ def capture_decompositions(
         aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
         aten.grid_sampler_2d_backward.default: grid_sampler_2d_backward,
         aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
+        aten._trilinear.default: trilinear,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
