@@ -1,5 +1,5 @@
 """Mixed precision: Hugging Face models under ``torch.autocast`` train in ONNX Runtime with eager's accuracy, on
-CPU and (where one is present) on CUDA.
+CPU and (where one is present) on CUDA; so do convolutional nets under CPU bfloat16 autocast.
 
 ONNX Runtime's CPU provider has no ``bfloat16`` kernels beyond casts: the exported graphs compute those ops in
 float32 (rounding where autocast casts). For float16 it inserts its own casts. The CUDA provider has bfloat16 and
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_ort import ORTModule
+from lightning_ort.bench.vision import BasicBlock, InvertedResidual, UNet
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,6 +113,63 @@ def test_autocast_trains_in_onnx_runtime_as_accurately_as_eager(
     assert statistics.eager_ops == 0
     assert statistics.forward_runs >= 1
     assert statistics.backward_runs >= 1
+
+
+def _resnet() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, 1, 1, bias=False),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        BasicBlock(16, 32, 2),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 10),
+    )
+
+
+def _efficientnet() -> torch.nn.Module:
+    block = InvertedResidual(16, 24, 2, 4, kernel=5, activation=torch.nn.SiLU, squeezed=4)
+    head = [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(24, 10)]
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, 1, 1), torch.nn.SiLU(), block, *head)
+
+
+def _unet() -> torch.nn.Module:
+    return torch.nn.Sequential(UNet(width=8), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 10))
+
+
+VISION_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "resnet": _resnet,
+    "efficientnet": _efficientnet,
+    "unet": _unet,
+}
+"""Batch norm with ReLU and a strided projection; SiLU, a depthwise 5x5 convolution and squeeze-and-excitation;
+group norm, strided and transposed convolutions: what CNNs run under autocast, on lightning_ort's CPU kernels."""
+
+
+def _vision_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, autocast: bool) -> Any:
+    """Flattened float64 gradients of one cross-entropy step, under CPU bfloat16 autocast where ``autocast``."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(images)
+    torch.nn.functional.cross_entropy(logits.double(), labels).backward()
+    return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("model_name", sorted(VISION_MODELS))
+def test_vision_models_train_under_bf16_autocast_in_onnx_runtime_as_accurately_as_eager(model_name: str) -> None:
+    torch.manual_seed(0)
+    model = VISION_MODELS[model_name]()
+    generator = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(8, 3, 16, 16, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+    grads64 = _vision_step(copy.deepcopy(model).double(), images.double(), labels, autocast=False)
+    eager_grads = _vision_step(copy.deepcopy(model), images, labels, autocast=True)
+    ort_model = ORTModule(copy.deepcopy(model), fallback="raise")
+    ort_grads = _vision_step(ort_model, images, labels, autocast=True)
+    eager_error = ((eager_grads - grads64).norm() / grads64.norm()).item()
+    ort_error = ((ort_grads - grads64).norm() / grads64.norm()).item()
+    assert ort_error <= 1.5 * eager_error, (
+        f"gradient error against float64: ORT {ort_error:.2e}, eager {eager_error:.2e}"
+    )
+    assert ort_model.statistics.backward_runs == 1 and ort_model.statistics.fallback_ops == 0
 
 
 def test_autocast_inference_in_onnx_runtime_matches_eager() -> None:

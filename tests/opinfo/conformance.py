@@ -74,6 +74,7 @@ OUR_FAMILIES = (
     "nn.functional.grid_sample",
     "grid_sampler_2d",
     "nn.functional.bilinear",
+    "cdist",
     "nn.functional.linear",
     "addmm",
     "matmul",

@@ -26,6 +26,8 @@ Core ATen decompositions, plus:
   (:mod:`lightning_ort.engine.fx.grid_sample`);
 * ``_weight_norm_interface_backward`` (weight normalisation's gradients) in ATen's analytic form;
 * ``_trilinear`` (``nn.Bilinear``) as an ``einsum``;
+* ``torch.cdist``'s direct path (``_cdist_forward``, ``_cdist_backward``) as pairwise differences
+  (:mod:`lightning_ort.engine.fx.distance`);
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
@@ -44,6 +46,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_ort.engine.fx.conv_phases import phase_input_grad
+from lightning_ort.engine.fx.distance import cdist_backward, cdist_forward
 from lightning_ort.engine.fx.gelu import gelu_backward
 from lightning_ort.engine.fx.grid_sample import grid_sampler_2d_backward
 from lightning_ort.engine.fx.group_norm import group_norm, group_norm_backward
@@ -1255,6 +1258,8 @@ def capture_decompositions(
         aten.grid_sampler_2d_backward.default: grid_sampler_2d_backward,
         aten._weight_norm_interface_backward.default: weight_norm_interface_backward,
         aten._trilinear.default: trilinear,
+        aten._cdist_forward.default: cdist_forward,
+        aten._cdist_backward.default: cdist_backward,
         aten.copy.default: copy,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
