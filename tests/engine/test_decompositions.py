@@ -19,6 +19,8 @@ from lightning_ort.engine.capture import aot
 from lightning_ort.engine.fx import decompositions
 from lightning_ort.engine.fx.decompositions import (
     adaptive_avg_pool2d_backward,
+    adaptive_avg_pool3d,
+    adaptive_avg_pool3d_backward,
     adaptive_max_pool2d_backward,
     avg_pool2d_backward,
     avg_pool3d_backward,
@@ -533,6 +535,17 @@ def test_adaptive_pooling_gradients_match_aten(size: tuple[int, int], pooled: tu
     _, indices = aten.adaptive_max_pool2d(x, list(pooled))
     expected = aten.adaptive_max_pool2d_backward(grad, x, indices)
     torch.testing.assert_close(adaptive_max_pool2d_backward(grad, x, indices), expected)
+
+
+@pytest.mark.parametrize(("size", "pooled"), [((5, 8, 7), (2, 3, 4)), ((4, 6, 6), (1, 7, 7)), ((3, 4, 4), (3, 2, 2))])
+def test_3d_adaptive_average_pooling_and_its_gradient_match_aten(
+    size: tuple[int, int, int], pooled: tuple[int, int, int]
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *size, generator=g)
+    torch.testing.assert_close(adaptive_avg_pool3d(x, list(pooled)), aten._adaptive_avg_pool3d(x, list(pooled)))
+    grad = torch.randn(2, 3, *pooled, generator=g)
+    torch.testing.assert_close(adaptive_avg_pool3d_backward(grad, x), aten._adaptive_avg_pool3d_backward(grad, x))
 
 
 @pytest.mark.parametrize("padding", [[1, 1, 1, 1], [2, 0, 3, 1], [0, 3, 0, 2]])

@@ -67,6 +67,7 @@ OUR_FAMILIES = (
     "nn.functional.adaptive_avg_pool2d",
     "nn.functional.adaptive_max_pool2d",
     "nn.functional.avg_pool3d",
+    "nn.functional.adaptive_avg_pool3d",
     "nn.functional.max_pool3d",
     "nn.functional.local_response_norm",
     "nn.functional.pad.reflect",

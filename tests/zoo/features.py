@@ -99,7 +99,8 @@ class PoolingHeads(nn.Module):
 
 
 class VideoClip(nn.Module):
-    """A 3-d convolutional net over short clips: Conv3d, BatchNorm3d, max and ceil-mode average 3-d pooling."""
+    """A 3-d convolutional net over short clips: Conv3d, BatchNorm3d, max, ceil-mode average and adaptive average
+    3-d pooling."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,11 +111,12 @@ class VideoClip(nn.Module):
             nn.MaxPool3d((1, 2, 2)),
             nn.Conv3d(8, 8, 3, padding=1),
             nn.AvgPool3d(2, ceil_mode=True, count_include_pad=False),
+            nn.AdaptiveAvgPool3d((1, 2, 2)),
         )
-        self.head = nn.Linear(8, 4)
+        self.head = nn.Linear(8 * 4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean(dim=(2, 3, 4)))
+        return self.head(self.features(x).flatten(1))
 
 
 class Vocoder(nn.Module):

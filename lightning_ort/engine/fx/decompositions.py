@@ -774,12 +774,43 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor)
         >>> torch.allclose(adaptive_avg_pool2d_backward(g, x), aten._adaptive_avg_pool2d_backward(g, x), atol=1e-6)
         True
     """
-    sizes = [*input.shape[-2:], *grad_output.shape[-2:]]
-    if input.dim() not in (3, 4) or not all(isinstance(size, int) for size in sizes):
-        return NotImplemented
-    rows = _adaptive_windows(input.shape[-2], grad_output.shape[-2])
-    cols = _adaptive_windows(input.shape[-1], grad_output.shape[-1])
-    return _axis_products(grad_output, [rows, cols])
+    maps = _adaptive_maps(input.shape[-2:], grad_output.shape[-2:])
+    return NotImplemented if maps is None or input.dim() not in (3, 4) else _axis_products(grad_output, maps)
+
+
+def adaptive_avg_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
+    """3-d adaptive average pooling to a grid (``nn.AdaptiveAvgPool3d((1, 7, 7))`` in video nets; a 1x1x1 grid is
+    a mean before it gets here): the averaging matrices of :func:`adaptive_avg_pool2d_backward` along depth,
+    height and width, applied by :func:`_axis_products` with each transposed.
+
+    Example:
+        >>> x = torch.randn(2, 3, 5, 8, 7)
+        >>> torch.allclose(adaptive_avg_pool3d(x, [2, 3, 4]), aten._adaptive_avg_pool3d(x, [2, 3, 4]), atol=1e-6)
+        True
+    """
+    maps = _adaptive_maps(input.shape[-3:], output_size)
+    return NotImplemented if maps is None else _axis_products(input, [matrix.t() for matrix in maps])
+
+
+def adaptive_avg_pool3d_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """The input gradient of :func:`adaptive_avg_pool3d`: the gradient contracted with each averaging matrix.
+
+    Example:
+        >>> x, g = torch.randn(2, 3, 5, 8, 7), torch.randn(2, 3, 2, 3, 4)
+        >>> ours = adaptive_avg_pool3d_backward(g, x)
+        >>> torch.allclose(ours, aten._adaptive_avg_pool3d_backward(g, x), atol=1e-6)
+        True
+    """
+    maps = _adaptive_maps(input.shape[-3:], grad_output.shape[-3:])
+    return NotImplemented if maps is None else _axis_products(grad_output, maps)
+
+
+def _adaptive_maps(sizes: Sequence[Any], pooled: Sequence[Any]) -> list[torch.Tensor] | None:
+    """The ``[pooled, size]`` averaging matrix of each axis (:func:`_adaptive_windows`), ``None`` where a size is
+    symbolic."""
+    if len(sizes) != len(pooled) or not all(isinstance(size, int) for size in (*sizes, *pooled)):
+        return None
+    return [_adaptive_windows(size, windows) for size, windows in zip(sizes, pooled, strict=True)]
 
 
 def _axis_products(grad_output: torch.Tensor, maps: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -1250,6 +1281,8 @@ def capture_decompositions(
         aten.max_pool3d_with_indices_backward.default: max_pool3d_with_indices_backward,
         aten._adaptive_avg_pool2d_backward.default: adaptive_avg_pool2d_backward,
         aten.adaptive_max_pool2d_backward.default: adaptive_max_pool2d_backward,
+        aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+        aten._adaptive_avg_pool3d_backward.default: adaptive_avg_pool3d_backward,
         aten.replication_pad1d_backward.default: replication_pad1d_backward,
         aten.replication_pad2d_backward.default: replication_pad2d_backward,
         aten.replication_pad3d_backward.default: replication_pad3d_backward,
