@@ -813,19 +813,18 @@ def _adaptive_maps(sizes: Sequence[Any], pooled: Sequence[Any]) -> list[torch.Te
     return [_adaptive_windows(size, windows) for size, windows in zip(sizes, pooled, strict=True)]
 
 
-def _axis_products(grad_output: torch.Tensor, maps: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The input gradient of a map of each of ``grad_output``'s last ``len(maps)`` axes by a constant matrix
-    (``maps``, outermost axis first, each ``[out, in]``: the forward is ``map @ x`` along that axis): the
-    gradient contracted with each map along its axis, a left product over the axis with the ones after it
-    flattened, and a right product for the last axis, so that no axis moves. ``maps`` are float32 on the CPU,
-    moved to the gradient's dtype and device."""
-    grad = grad_output
+def _axis_products(tensor: torch.Tensor, maps: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensor``'s last ``len(maps)`` axes contracted with ``maps`` (outermost axis first, each ``[a, b]``
+    taking an axis of size ``a`` to size ``b``): the input gradient of mapping each axis by a constant ``[a,
+    b]`` matrix ``M`` (``M @ x`` along it), or, given the transposes, that map itself. A left product over the
+    axis with the ones after it flattened, and a right product for the last axis, so that no axis moves.
+    ``maps`` are float32 on the CPU, moved to ``tensor``'s dtype and device."""
     for offset, matrix in enumerate(maps[:-1]):
-        axis = grad.dim() - len(maps) + offset
-        lead, inner = grad.shape[:axis], grad.shape[axis + 1 :]
-        flat = grad.reshape(*lead, grad.shape[axis], math.prod(inner))
-        grad = torch.matmul(matrix.t().to(grad), flat).reshape(*lead, matrix.shape[1], *inner)
-    return torch.matmul(grad, maps[-1].to(grad))
+        axis = tensor.dim() - len(maps) + offset
+        lead, inner = tensor.shape[:axis], tensor.shape[axis + 1 :]
+        flat = tensor.reshape(*lead, tensor.shape[axis], math.prod(inner))
+        tensor = torch.matmul(matrix.t().to(tensor), flat).reshape(*lead, matrix.shape[1], *inner)
+    return torch.matmul(tensor, maps[-1].to(tensor))
 
 
 def _adaptive_windows(size: int, windows: int) -> torch.Tensor:
