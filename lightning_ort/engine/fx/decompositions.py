@@ -774,8 +774,10 @@ def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, input: torch.Tensor)
         >>> torch.allclose(adaptive_avg_pool2d_backward(g, x), aten._adaptive_avg_pool2d_backward(g, x), atol=1e-6)
         True
     """
+    if input.dim() not in (3, 4):
+        return NotImplemented
     maps = _adaptive_maps(input.shape[-2:], grad_output.shape[-2:])
-    return NotImplemented if maps is None or input.dim() not in (3, 4) else _axis_products(grad_output, maps)
+    return NotImplemented if maps is None else _axis_products(grad_output, maps)
 
 
 def adaptive_avg_pool3d(input: torch.Tensor, output_size: Sequence[int]) -> torch.Tensor:
@@ -988,7 +990,7 @@ def _scatter_to_indices(
     """``grad_output`` added, per image plane (volume, for three ``axes``), at the flat positions ``indices`` of
     ``input``'s planes (in float32 for half-precision gradients)."""
     planes, extents = input.shape[:-axes], input.shape[-axes:]
-    accumulate = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
+    accumulate = torch.promote_types(grad_output.dtype, torch.float32)
     grad = grad_output.reshape(-1, math.prod(grad_output.shape[-axes:])).to(accumulate)
     positions = indices.reshape(grad.shape)
     zeros = grad.new_zeros((grad.shape[0], math.prod(extents)))
@@ -1146,7 +1148,7 @@ def weight_norm_interface_backward(
         >>> all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours, theirs))
         True
     """
-    compute = torch.float32 if saved_v.dtype in (torch.float16, torch.bfloat16) else saved_v.dtype
+    compute = torch.promote_types(saved_v.dtype, torch.float32)
     grad, v, g, norms = (t.to(compute) for t in (grad_w, saved_v, saved_g, saved_norms))
     axes = [axis for axis in range(v.dim()) if axis != dim % v.dim()]
     sums = (grad * v).sum(dim=axes, keepdim=True)

@@ -78,7 +78,7 @@ def grid_sampler_2d_backward(
     if input.dim() != 4 or not all(isinstance(size, int) for size in (*input.shape, *grid.shape)):
         return NotImplemented
     batch, channels, height, width = input.shape
-    accumulate = torch.float32 if input.dtype in (torch.float16, torch.bfloat16) else input.dtype
+    accumulate = torch.promote_types(input.dtype, torch.float32)
     points = grid.to(accumulate).reshape(batch, -1, 2)
     x = _source_positions(points[..., 0], width, padding_mode, align_corners)
     y = _source_positions(points[..., 1], height, padding_mode, align_corners)
@@ -94,14 +94,15 @@ def grid_sampler_2d_backward(
             _corner(bottom, left, height, width, (right - x.position) * (y.position - top)),
             _corner(bottom, right, height, width, (x.position - left) * (y.position - top)),
         ]
-    grad_input = _scattered(grad, corners, height * width).reshape(input.shape) if output_mask[0] else None
-    grad_grid = None
-    if output_mask[1]:
-        grad_grid = torch.zeros_like(points)
-        if interpolation_mode == BILINEAR:
-            planes = input.to(accumulate).reshape(batch, channels, -1)
-            grad_grid = _bilinear_grid_grad(grad, planes, corners, x, y, left, top)
-        grad_grid = grad_grid.reshape(grid.shape)
+    pixels = torch.cat([corner.pixel for corner in corners], dim=1)[:, None, :].expand(batch, channels, -1)
+    grad_input = grad_grid = None
+    if output_mask[0]:
+        grad_input = _scattered(grad, pixels, corners, height * width).reshape(input.shape)
+    if output_mask[1] and interpolation_mode == NEAREST:
+        grad_grid = torch.zeros_like(grid)
+    elif output_mask[1]:
+        planes = input.to(accumulate).reshape(batch, channels, -1)
+        grad_grid = _bilinear_grid_grad(grad, planes, pixels, corners, x, y, left, top).reshape(grid.shape)
     return (
         None if grad_input is None else grad_input.to(input.dtype),
         None if grad_grid is None else grad_grid.to(grid.dtype),
@@ -149,18 +150,18 @@ def _corner(row: torch.Tensor, col: torch.Tensor, height: int, width: int, weigh
     return _Corner(pixel, inside, weight)
 
 
-def _scattered(grad: torch.Tensor, corners: list[_Corner], plane: int) -> torch.Tensor:
+def _scattered(grad: torch.Tensor, pixels: torch.Tensor, corners: list[_Corner], plane: int) -> torch.Tensor:
     """``grad`` ``[N, C, L]`` added to each corner's pixel, times its weight, in ``[N, C, plane]`` zeros: one
-    ``scatter_add`` over the corners' indices side by side."""
+    ``scatter_add`` at ``pixels``, the corners' indices side by side (``[N, C, corners * L]``)."""
     batch, channels, _ = grad.shape
-    index = torch.cat([corner.pixel for corner in corners], dim=1)[:, None, :].expand(batch, channels, -1)
     values = torch.cat([grad * corner.weight[:, None, :] for corner in corners], dim=2)
-    return grad.new_zeros((batch, channels, plane)).scatter_add(2, index, values)
+    return grad.new_zeros((batch, channels, plane)).scatter_add(2, pixels, values)
 
 
 def _bilinear_grid_grad(
     grad: torch.Tensor,
     planes: torch.Tensor,
+    pixels: torch.Tensor,
     corners: list[_Corner],
     x: _Axis,
     y: _Axis,
@@ -168,10 +169,10 @@ def _bilinear_grid_grad(
     top: torch.Tensor,
 ) -> torch.Tensor:
     """The grid's gradient ``[N, L, 2]`` under bilinear interpolation: the channel sums of ``grad`` times the
-    slope of the interpolated value along x and along y, times each axis's ``slope``."""
+    slope of the interpolated value along x and along y, times each axis's ``slope``; the corners' values
+    gathered from ``planes`` at ``pixels`` (as :func:`_scattered` adds at them)."""
     batch, channels, length = grad.shape
-    index = torch.cat([corner.pixel for corner in corners], dim=1)[:, None, :].expand(batch, channels, -1)
-    values = planes.gather(2, index).reshape(batch, channels, len(corners), length)
+    values = planes.gather(2, pixels).reshape(batch, channels, len(corners), length)
     inside = torch.stack([corner.inside for corner in corners], dim=1).to(grad.dtype)
     weighted = (values * grad[:, :, None, :]).sum(dim=1) * inside
     top_left, top_right, bottom_left, bottom_right = weighted.unbind(1)
