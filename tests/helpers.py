@@ -125,13 +125,20 @@ def assert_outputs_close(actual: Any, expected: Any) -> None:
         torch.testing.assert_close(a, e, **OUTPUT_TOLERANCE)
 
 
-def assert_grads_close(actual: torch.nn.Module, expected: torch.nn.Module) -> None:
-    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters()):
+def assert_grads_close(
+    actual: torch.nn.Module,
+    expected: torch.nn.Module,
+    rtol: float = GRAD_TOLERANCE["rtol"],
+    atol: float = GRAD_TOLERANCE["atol"],
+) -> None:
+    """Each parameter's gradient in ``actual`` (the ORTModule) is ``expected``'s within ``rtol`` and ``atol``, and
+    one is missing exactly where the other is."""
+    for (name, a), (_, e) in zip(actual.named_parameters(), expected.named_parameters(), strict=True):
         if e.grad is None:
             assert a.grad is None, f"{name}: ORT produced a gradient where eager has none"
             continue
         assert a.grad is not None, f"{name}: no gradient from ORT"
-        torch.testing.assert_close(a.grad, e.grad, **GRAD_TOLERANCE, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(a.grad, e.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 FP64_MULTIPLE = 3.0

@@ -19,6 +19,7 @@ from lightning_ort.bench import runner as bench
 from lightning_ort.bench import shapes
 from lightning_ort.bench import workloads as bench_workloads
 from lightning_ort.bench.conv import ConvLayer
+from tests.helpers import assert_grads_close
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,8 +102,7 @@ def test_the_transformer_workload_trains_in_onnx_runtime_as_eager() -> None:
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     loss.backward()
     expected.backward()
-    for (name, param), reference in zip(wrapped.named_parameters(), workload.model.parameters(), strict=True):
-        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert_grads_close(wrapped, workload.model, rtol=1e-3, atol=1e-5)
     assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
 
 

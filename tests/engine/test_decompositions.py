@@ -41,6 +41,7 @@ from lightning_ort.engine.fx.decompositions import (
 )
 from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
 from lightning_ort.options import ConvWeightGrad
+from tests.helpers import assert_grads_close
 
 aten = torch.ops.aten
 
@@ -588,8 +589,7 @@ def test_replicate_padded_convolutions_train_in_onnx_runtime_alone() -> None:
     x = torch.randn(2, 2, 4, 6, 5)
     wrapped(x).square().mean().backward()
     model(x).square().mean().backward()
-    for (name, param), reference in zip(wrapped.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_grads_close(wrapped, model, rtol=1e-4, atol=1e-6)
     assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
 
 
@@ -672,6 +672,5 @@ def test_bilinear_layer_trains_in_onnx_runtime_alone() -> None:
     torch.testing.assert_close(wrapped(x1, x2), model(x1, x2))
     wrapped(x1, x2).square().mean().backward()
     model(x1, x2).square().mean().backward()
-    for (name, param), reference in zip(wrapped.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(param.grad, reference.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_grads_close(wrapped, model, rtol=1e-5, atol=1e-6)
     assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
