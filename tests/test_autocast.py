@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_ort import ORTModule
-from lightning_ort.bench.vision import BasicBlock, InvertedResidual, UNet
+from lightning_ort.bench.vision import BasicBlock, ConvNeXtBlock, InvertedResidual, UNet
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,13 +137,20 @@ def _unet() -> torch.nn.Module:
     return torch.nn.Sequential(UNet(width=8), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 10))
 
 
+def _convnext() -> torch.nn.Module:
+    head = [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 10)]
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 4, 4), ConvNeXtBlock(16), *head)
+
+
 VISION_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "resnet": _resnet,
     "efficientnet": _efficientnet,
     "unet": _unet,
+    "convnext": _convnext,
 }
 """Batch norm with ReLU and a strided projection; SiLU, a depthwise 5x5 convolution and squeeze-and-excitation;
-group norm, strided and transposed convolutions: what CNNs run under autocast, on lightning_ort's CPU kernels."""
+group norm, strided and transposed convolutions; a 7x7 depthwise convolution, channel layer norm and GELU: what
+CNNs run under autocast, on lightning_ort's CPU kernels."""
 
 
 def _vision_step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, autocast: bool) -> Any:

@@ -23,6 +23,7 @@ from lightning_ort.engine.onnx.passes import (
     compute_cuda_bfloat16_gaps_in_float,
     cuda_host_nodes,
     dequantize_scaled_masks,
+    drop_identity_casts,
     fold_channels_last_transposes,
     fuse_transposed_operands,
     merge_slices,
@@ -550,6 +551,59 @@ def test_graph_without_bfloat16_or_with_subgraphs_is_left_alone() -> None:
     before = model.SerializeToString()
     assert compute_bfloat16_in_float(model) == 0
     assert model.SerializeToString() == before
+
+
+def _gradient_casts_model() -> onnx.ModelProto:
+    """What :func:`compute_bfloat16_in_float` leaves of autocast's weight gradients: products computed in float32
+    cast to float32 (``grad_w``, ``grad_v``, graph outputs; ``scaled``, read by a node), one cast from a graph
+    input (``copy``), a value cast into two outputs (``grad_u``, ``grad_u2``) and rounded to float16."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "x"], ["w_float"]),
+        helper.make_node("Cast", ["w_float"], ["grad_w"], to=TensorProto.FLOAT),
+        helper.make_node("Relu", ["x"], ["v_float"]),
+        helper.make_node("Cast", ["v_float"], ["scaled"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["scaled", "x"], ["v2_float"]),
+        helper.make_node("Cast", ["v2_float"], ["grad_v"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["x"], ["copy"], to=TensorProto.FLOAT),
+        helper.make_node("Neg", ["x"], ["u_float"]),
+        helper.make_node("Cast", ["u_float"], ["grad_u"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["u_float"], ["grad_u2"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["u_float"], ["rounded"], to=TensorProto.FLOAT16),
+    ]
+    square = [3, 3]
+    outputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, square)
+        for name in ("grad_w", "grad_v", "copy", "grad_u", "grad_u2")
+    ] + [helper.make_tensor_value_info("rounded", TensorProto.FLOAT16, square)]
+    value_info = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, square)
+        for name in ("w_float", "v_float", "scaled", "v2_float", "u_float")
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, square)], outputs, value_info=value_info
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_casts_to_the_type_they_read_are_dropped_and_their_outputs_written_by_the_producer() -> None:
+    model = _gradient_casts_model()
+    x = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
+    expected = _run_all(model, {"x": x})
+    assert drop_identity_casts(model) == 4  # grad_w, scaled, grad_v, grad_u
+    onnx.checker.check_model(model, full_check=True)
+    casts = [(node.input[0], node.output[0]) for node in model.graph.node if node.op_type == "Cast"]
+    assert casts == [("x", "copy"), ("grad_u", "grad_u2"), ("grad_u", "rounded")]  # a graph input's, a 2nd output's
+    producers = {node.output[0]: node.op_type for node in model.graph.node}
+    assert (producers["grad_w"], producers["grad_v"], producers["grad_u"]) == ("MatMul", "Mul", "Neg")
+    assert next(node for node in model.graph.node if node.op_type == "Mul").input[0] == "v_float"
+    for actual, wanted in zip(_run_all(model, {"x": x}), expected, strict=True):
+        np.testing.assert_array_equal(actual, wanted)
+    assert drop_identity_casts(model) == 0
+
+
+def _run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [np.asarray(value, np.float32) for value in session.run(None, feeds)]
 
 
 def test_reshape_chains_and_reshapes_that_change_nothing_are_removed_with_the_same_result() -> None:

@@ -35,6 +35,7 @@ from lightning_ort.engine.torch_internals import (
 from lightning_ort.errors import node_origin
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
@@ -88,15 +89,31 @@ def weight_gradient_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     :func:`~lightning_ort.engine.fx.decompositions.convolution_backward` leaves ``aten.convolution_backward``
     whole, asking for the weight gradient alone, where ``conv_weight_grad`` chooses PyTorch for a layer; any
     other ``convolution_backward`` (a transposed convolution's) is no request but an op ONNX cannot express.
+    The casts of such a gradient to its parameter's dtype (autocast's ``bfloat16`` gradient of a float32 weight)
+    run there too: in ONNX Runtime they would be a partition of their own after the gradients.
     """
-    return {
-        node.name: "conv_weight_grad keeps in PyTorch"
-        for node in gm.graph.nodes
-        if node.op == "call_function"
-        and node.target is aten.convolution_backward.default
-        and not node.args[7]
-        and list(node.args[10]) == [False, True, False]
-    }
+    kept: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.target is aten.convolution_backward.default
+            and not node.args[7]
+            and list(node.args[10]) == [False, True, False]
+        ):
+            kept[node.name] = "conv_weight_grad keeps in PyTorch"
+            gradients = [user for user in node.users if user.target is operator.getitem]
+            kept |= {cast.name: kept[node.name] for grad in gradients for cast in grad.users if _is_cast(cast)}
+    return kept
+
+
+def _is_cast(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a copy of its input in another dtype (same shape, same device)."""
+    if node.op != "call_function" or node.target not in (aten._to_copy.default, prims.convert_element_type.default):
+        return False
+    source, value = node.all_input_nodes[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(source, torch.Tensor) or not isinstance(value, torch.Tensor):
+        return False
+    return source.shape == value.shape and source.device == value.device
 
 
 def describe_ops(gm: torch.fx.GraphModule, reasons: dict[str, str]) -> str:

@@ -31,6 +31,7 @@ import torch.fx
 from torch.nn import functional as F
 
 from lightning_ort.engine.fx.decompositions import channel_layout
+from lightning_ort.engine.fx.precision import computed_in_float32
 
 
 @torch.library.custom_op("lightning_ort::batch_norm_training", mutates_args=())
@@ -76,16 +77,27 @@ def _batch_norm_training(
     low: float,
     high: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward ops' PyTorch form; ``residual`` is added before the clamp."""
+    """The forward ops' PyTorch form; ``residual`` is added before the clamp. 16-bit operands are computed in
+    float32, as the kernels compute them; the output has ``input``'s dtype, the statistics ``weight``'s."""
     dims, _, count = channel_layout(input)
-    var, mean = torch.var_mean(input, dims, correction=0)
+    x, scale, shift, running_mean, running_var = _in_compute_dtype(input, weight, bias, running_mean, running_var)
+    var, mean = torch.var_mean(x, dims, correction=0)
     invstd = torch.rsqrt(var + eps)
-    output = _normalized(input, weight, bias, mean, invstd)
+    output = _normalized(x, scale, shift, mean, invstd)
     if residual is not None:
-        output = output + residual
+        output = output + _in_compute_dtype(residual)[0]
+    if clamp:
+        output = output.clamp(low, high)
     new_running_mean = momentum * mean + (1 - momentum) * running_mean
     new_running_var = momentum * (var * (count / max(count - 1, 1))) + (1 - momentum) * running_var
-    return (output.clamp(low, high) if clamp else output), mean, invstd, new_running_mean, new_running_var
+    per_channel = weight.dtype
+    return (
+        output.to(input.dtype),
+        mean.to(per_channel),
+        invstd.to(per_channel),
+        new_running_mean.to(per_channel),
+        new_running_var.to(per_channel),
+    )
 
 
 def _normalized(
@@ -143,8 +155,15 @@ def batch_norm_training_backward_op(
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad)))
         True
     """
-    grad = _kept(grad_output, _normalized(input, weight, bias, mean, invstd), clamp, low, high)
-    return _input_grads(grad, input, weight, mean, invstd)
+    grad_output, x, weight_, bias_, mean_, invstd_ = _in_compute_dtype(grad_output, input, weight, bias, mean, invstd)
+    grad = _kept(grad_output, _normalized(x, weight_, bias_, mean_, invstd_), clamp, low, high)
+    grad_input, grad_weight, grad_bias = _input_grads(grad, x, weight_, mean_, invstd_)
+    return grad_input.to(input.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
+
+
+def _in_compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` in the dtype the kernels compute them in: float32 for 16-bit floats."""
+    return [t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors]
 
 
 def _kept(grad_output: torch.Tensor, value: torch.Tensor, clamp: bool, low: float, high: float) -> torch.Tensor:
@@ -259,8 +278,12 @@ def batch_norm_add_training_backward_op(
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad, z_.grad)))
         True
     """
-    grad = _kept(grad_output, output, clamp, low, high)
-    return *_input_grads(grad, input, weight, mean, invstd), grad
+    grad_output, x, weight_, mean_, invstd_, output_ = _in_compute_dtype(
+        grad_output, input, weight, mean, invstd, output
+    )
+    grad = _kept(grad_output, output_, clamp, low, high)
+    grad_input, grad_weight, grad_bias = _input_grads(grad, x, weight_, mean_, invstd_)
+    return grad_input.to(input.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), grad.to(input.dtype)
 
 
 @batch_norm_add_training_backward_op.register_fake
@@ -367,7 +390,7 @@ def batch_norm_training(
     """
 
     def ones() -> torch.Tensor:
-        return torch.ones(input.shape[1], dtype=input.dtype, device=input.device)
+        return torch.ones(input.shape[1], dtype=torch.promote_types(input.dtype, torch.float32), device=input.device)
 
     scale = weight if weight is not None else ones()
     shift = bias if bias is not None else torch.zeros_like(ones())
@@ -390,7 +413,8 @@ _HARDTANH_SIGNATURE = inspect.signature(F.hardtanh)
 
 def _fusable_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     """``F.batch_norm``'s arguments at ``node``, where the fused ops compute it: training mode with a float
-    momentum, a float32 CPU input of 3 or more dims, float32 affine parameters (or none)."""
+    momentum, a CPU input of 3 or more dims and affine parameters (or none) that ONNX Runtime computes in float32
+    (float32, or ``bfloat16`` under autocast)."""
     if node.op != "call_function" or node.target is not F.batch_norm:
         return None
     bound = _BATCH_NORM_SIGNATURE.bind(*node.args, **node.kwargs)
@@ -404,7 +428,7 @@ def _fusable_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     values = [t.meta.get("example_value") if isinstance(t, torch.fx.Node) else t for t in tensors]
     if not isinstance(values[0], torch.Tensor) or values[0].dim() < 3 or values[0].device.type != "cpu":
         return None
-    if any(not isinstance(v, torch.Tensor) or v.dtype != torch.float32 for v in values if v is not None):
+    if any(not isinstance(v, torch.Tensor) or not computed_in_float32(v) for v in values if v is not None):
         return None
     return arguments
 
@@ -437,8 +461,8 @@ _IN_PLACE_ADDS = (operator.iadd,)
 
 
 def _residual_add(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """The addition that is ``node``'s only consumer, if one is, and its other operand: a float32 CPU tensor of
-    ``node``'s shape (no broadcast), which an in-place addition does not update."""
+    """The addition that is ``node``'s only consumer, if one is, and its other operand: a CPU tensor of ``node``'s
+    shape and dtype (no broadcast, no promotion), which an in-place addition does not update."""
     if len(node.users) != 1:
         return None
     (user,) = node.users
@@ -455,7 +479,7 @@ def _residual_add(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | 
     ours, theirs = node.meta.get("example_value"), other.meta.get("example_value")
     if not isinstance(ours, torch.Tensor) or not isinstance(theirs, torch.Tensor):
         return None
-    if theirs.shape != ours.shape or theirs.dtype != torch.float32 or theirs.device.type != "cpu":
+    if theirs.shape != ours.shape or theirs.dtype != ours.dtype or theirs.device.type != "cpu":
         return None
     return user, other
 
@@ -466,7 +490,7 @@ def fusable_batch_norms(gm: torch.fx.GraphModule) -> int:
 
 
 def fuse_batch_norms(gm: torch.fx.GraphModule) -> int:
-    """Point ``gm``'s training-mode ``F.batch_norm`` calls (float32, on CPU, with a float momentum) at
+    """Point ``gm``'s training-mode ``F.batch_norm`` calls (float32 or ``bfloat16``, on CPU, with a float momentum) at
     :func:`batch_norm_training`, with the ``F.relu``, ``F.relu6`` or ``F.hardtanh`` that alone consumes one, or
     that alone consumes its sum with a tensor of its shape (a residual add); returns the calls replaced.
 

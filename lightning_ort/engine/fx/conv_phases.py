@@ -20,6 +20,8 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
+from lightning_ort.engine.fx.precision import computed_in_float32
+
 aten = torch.ops.aten
 
 
@@ -118,10 +120,11 @@ def phase_input_grad(
     """The input gradient of a dense or depthwise 2-D stride-2 convolution as four stride-1 convolutions and
     :data:`INTERLEAVE_2X2`, or ``None`` where that form does not apply.
 
-    It applies to float32 CPU convolutions with stride 2x2, no dilation, one group or one per channel
-    (depthwise, one output channel each), static image sizes and kernels whose every phase has taps that start at
-    the first output position (3x3 with padding 1, 2x2 with none, and the like); the rest take the transposed
-    convolution. A depthwise layer's phases are depthwise convolutions with its own kernel's taps.
+    It applies to CPU convolutions computed in float32 (float32, ``bfloat16``) with stride 2x2, no dilation, one
+    group or one per channel (depthwise, one output channel each), static image sizes and kernels whose every
+    phase has taps that start at the first output position (3x3 with padding 1, 2x2 with none, and the like); the
+    rest take the transposed convolution. A depthwise layer's phases are depthwise convolutions with its own
+    kernel's taps.
 
     Example:
         >>> x, w = torch.randn(2, 4, 8, 6), torch.randn(5, 4, 3, 3)
@@ -135,7 +138,7 @@ def phase_input_grad(
     depthwise = groups > 1 and groups == input.shape[1] == weight.shape[0] and weight.shape[1] == 1
     if list(stride) != [2, 2] or list(dilation) != [1, 1] or (groups != 1 and not depthwise) or input.dim() != 4:
         return None
-    if input.dtype != torch.float32 or input.device.type != "cpu":
+    if input.device.type != "cpu" or not computed_in_float32(input, weight, grad_output):
         return None
     height, width = input.shape[2], input.shape[3]
     out_height, out_width = grad_output.shape[2], grad_output.shape[3]

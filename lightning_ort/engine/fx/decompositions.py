@@ -51,6 +51,7 @@ from lightning_ort.engine.fx.gelu import gelu_backward
 from lightning_ort.engine.fx.grid_sample import grid_sampler_2d_backward
 from lightning_ort.engine.fx.group_norm import group_norm, group_norm_backward
 from lightning_ort.engine.fx.layer_norm import layer_norm_backward
+from lightning_ort.engine.fx.precision import computed_in_float32
 from lightning_ort.engine.fx.silu import silu_backward
 from lightning_ort.engine.torch_internals import FUSED_ATTENTION_FORWARD, core_aten_decompositions, get_decompositions
 from lightning_ort.options import AttentionPath, ConvWeightGrad
@@ -283,7 +284,7 @@ def _reversed_taps(weight: torch.Tensor) -> torch.Tensor:
         True
     """
     kernel = weight.shape[2:]
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
+    if weight.device.type != "cpu" or not (computed_in_float32(weight) or weight.dtype == torch.float64):
         return weight.flip(list(range(2, 2 + len(kernel))))
     taps = math.prod(kernel)
     exchange = torch.eye(taps, dtype=weight.dtype, device=weight.device).flip(0)
@@ -432,13 +433,13 @@ def folds_input_gradient(size: Sequence[int], strided: bool) -> bool:
 
 
 def _selects(images: torch.Tensor) -> bool:
-    """Whether a convolution's columns of ``images`` go through a selection-matrix product: CPU float32 or
-    float64 images of at most :data:`SELECTION_POSITIONS` static positions. Not on CUDA, where a TF32 product
-    would round the values it only moves."""
+    """Whether a convolution's columns of ``images`` go through a selection-matrix product: CPU images computed
+    in float32 (float32, ``bfloat16``) or float64, of at most :data:`SELECTION_POSITIONS` static positions. Not on
+    CUDA, where a TF32 product would round the values it only moves."""
     positions = math.prod(images.shape[2:])
     return (
         images.device.type == "cpu"
-        and images.dtype in (torch.float32, torch.float64)
+        and (computed_in_float32(images) or images.dtype == torch.float64)
         and isinstance(positions, int)
         and positions <= SELECTION_POSITIONS
     )

@@ -14,6 +14,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
+from lightning_ort.engine.fx.precision import computed_in_float32
 from lightning_ort.engine.torch_internals import get_decompositions
 
 aten = torch.ops.aten
@@ -46,8 +47,8 @@ GELU_BACKWARD = torch.ops.lightning_ort.gelu_backward.default
 
 
 def gelu_backward(grad_output: torch.Tensor, input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """``aten.gelu_backward`` for a CPU graph with lightning_ort's kernels: :data:`GELU_BACKWARD` for float32
-    operands of one shape, PyTorch's own decomposition otherwise.
+    """``aten.gelu_backward`` for a CPU graph with lightning_ort's kernels: :data:`GELU_BACKWARD` for operands of
+    one shape and one dtype computed in float32 (float32, ``bfloat16``), PyTorch's own decomposition otherwise.
 
     Example:
         >>> x, g = torch.randn(3, 5), torch.randn(3, 5)
@@ -55,7 +56,8 @@ def gelu_backward(grad_output: torch.Tensor, input: torch.Tensor, approximate: s
         True
     """
     if (
-        grad_output.dtype == input.dtype == torch.float32
+        grad_output.dtype == input.dtype
+        and computed_in_float32(input)
         and grad_output.shape == input.shape
         and approximate in APPROXIMATIONS
     ):

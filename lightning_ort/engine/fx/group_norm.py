@@ -19,6 +19,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
+from lightning_ort.engine.fx.precision import computed_in_float32
 from lightning_ort.engine.torch_internals import get_decompositions
 
 aten = torch.ops.aten
@@ -47,15 +48,18 @@ def group_norm_op(
         >>> torch.allclose(out, F.group_norm(x, 3, w, b), atol=1e-6), tuple(mean.shape)
         (True, (2, 3))
     """
-    output, mean, rstd = aten.native_group_norm(input, weight, bias, *_image_sizes(input), groups, eps)
-    return output, mean, rstd
+    compute = torch.promote_types(input.dtype, torch.float32)
+    output, mean, rstd = aten.native_group_norm(
+        input.to(compute), weight.to(compute), bias.to(compute), *_image_sizes(input), groups, eps
+    )
+    return output.to(input.dtype), mean, rstd
 
 
 @group_norm_op.register_fake
 def _group_norm_fake(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    statistics = input.new_empty((input.shape[0], groups))
+    statistics = input.new_empty((input.shape[0], groups), dtype=torch.promote_types(input.dtype, torch.float32))
     return torch.empty_like(input), statistics, torch.empty_like(statistics)
 
 
@@ -81,10 +85,11 @@ def group_norm_backward_op(
         True
     """
     sizes = _image_sizes(input)
+    compute = torch.promote_types(input.dtype, torch.float32)
     grad_input, grad_weight, grad_bias = aten.native_group_norm_backward(
-        grad_output, input, mean, rstd, weight, *sizes, groups, [True, True, True]
+        grad_output.to(compute), input.to(compute), mean, rstd, weight.to(compute), *sizes, groups, [True] * 3
     )
-    return grad_input, grad_weight, grad_bias
+    return grad_input.to(input.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
 
 
 @group_norm_backward_op.register_fake
@@ -107,12 +112,13 @@ GROUP_NORM_BACKWARD = torch.ops.lightning_ort.group_norm_backward.default
 
 
 def _takes_kernels(input: torch.Tensor, *parameters: torch.Tensor | None) -> bool:
-    """Whether a group norm over ``input`` with these (optional) parameters runs on the kernels: float32 throughout,
-    a weight and a bias, images of at least one position."""
+    """Whether a group norm over ``input`` with these (optional) parameters runs on the kernels: computed in
+    float32 throughout (float32, or ``bfloat16`` under autocast), a weight and a bias, images of at least one
+    position. ``bfloat16`` inputs are normalized in float32 and have float32 statistics."""
     return (
-        input.dtype == torch.float32
-        and input.dim() >= 2
-        and all(p is not None and p.dtype == torch.float32 and p.dim() == 1 for p in parameters)
+        input.dim() >= 2
+        and all(p is not None and p.dim() == 1 for p in parameters)
+        and computed_in_float32(input, *(p for p in parameters if p is not None))
     )
 
 
@@ -126,8 +132,9 @@ def group_norm(
     groups: int,
     eps: float,
 ) -> Any:
-    """``aten.native_group_norm`` for a CPU graph with lightning_ort's kernels: :data:`GROUP_NORM` for a float32
-    group norm with a weight and a bias; otherwise ``NotImplemented`` (the op stays, and its ONNX translation runs).
+    """``aten.native_group_norm`` for a CPU graph with lightning_ort's kernels: :data:`GROUP_NORM` for a group norm
+    with a weight and a bias, computed in float32; otherwise ``NotImplemented`` (the op stays, and its ONNX
+    translation runs).
 
     Example:
         >>> x, w, b = torch.randn(2, 4, 3), torch.rand(4), torch.randn(4)
@@ -155,7 +162,7 @@ def group_norm_backward(
     output_mask: Sequence[bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``aten.native_group_norm_backward`` for a CPU graph with lightning_ort's kernels: :data:`GROUP_NORM_BACKWARD`
-    for float32 operands with a weight, PyTorch's own decomposition otherwise.
+    for operands computed in float32 with a weight, PyTorch's own decomposition otherwise.
 
     Example:
         >>> x, w, b, g = torch.randn(2, 4, 3), torch.rand(4), torch.randn(4), torch.randn(2, 4, 3)
@@ -165,7 +172,7 @@ def group_norm_backward(
         >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, theirs))
         True
     """
-    if _takes_kernels(input, weight) and grad_output.dtype == torch.float32 and grad_output.shape == input.shape:
+    if _takes_kernels(input, weight) and grad_output.dtype == input.dtype and grad_output.shape == input.shape:
         assert weight is not None
         grad_input, grad_weight, grad_bias = GROUP_NORM_BACKWARD(grad_output, input, weight, mean, rstd, groups)
         return (

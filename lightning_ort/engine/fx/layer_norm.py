@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
+from lightning_ort.engine.fx.precision import computed_in_float32
 from lightning_ort.engine.torch_internals import get_decompositions
 
 aten = torch.ops.aten
@@ -68,7 +69,8 @@ def layer_norm_backward(
     output_mask: Sequence[bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``aten.native_layer_norm_backward`` for a CPU graph with lightning_ort's kernels: :data:`LAYER_NORM_BACKWARD`
-    for float32 operands with a weight, PyTorch's own decomposition otherwise.
+    for operands computed in float32 (float32, ``bfloat16`` with a float32 or ``bfloat16`` weight) with a weight,
+    PyTorch's own decomposition otherwise.
 
     Example:
         >>> x, w, b, g = torch.randn(3, 8), torch.rand(8), torch.randn(8), torch.randn(3, 8)
@@ -81,7 +83,8 @@ def layer_norm_backward(
     if (
         weight is not None
         and list(weight.shape) == list(normalized_shape)
-        and grad_output.dtype == input.dtype == weight.dtype == torch.float32
+        and grad_output.dtype == input.dtype
+        and computed_in_float32(input, weight)
         and grad_output.shape == input.shape
         and math.prod(normalized_shape) > 0
     ):

@@ -3,8 +3,8 @@
 ATen's ``max_pool2d_with_indices`` exports as ONNX Runtime's ``MaxPool`` with its ``Indices`` output, which runs
 on a generic loop far slower than the values-only kernel (MLAS's; see the performance page), plus a second
 pooling of the whole input that turns ONNX's indices into PyTorch's. :func:`replace_max_pools` points TorchDynamo's
-``F.max_pool2d`` calls (float32, CPU, 4-d, no ``ceil_mode``, no indices returned) at :func:`max_pool2d`: an
-autograd function over two PyTorch ops, :data:`MAX_POOL2D` (``MaxPool`` without indices) and
+``F.max_pool2d`` calls (float32 or ``bfloat16``, CPU, 4-d, no ``ceil_mode``, no indices returned) at
+:func:`max_pool2d`: an autograd function over two PyTorch ops, :data:`MAX_POOL2D` (``MaxPool`` without indices) and
 :data:`MAX_POOL2D_BACKWARD`, which runs as lightning_ort's ``ai.lightning_ort::MaxPoolGrad`` kernel
 (``engine/runtime/max_pool_kernels.cpp``): it finds each window's maximum in the saved input as PyTorch's CPU
 kernel does (the first largest value, or the last NaN) and adds the gradient there.
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch.nn import functional as F
+
+from lightning_ort.engine.fx.precision import computed_in_float32
 
 aten = torch.ops.aten
 
@@ -133,8 +135,8 @@ def _pair(value: Any) -> list[int] | None:
 
 
 def _window(node: torch.fx.Node) -> tuple[torch.fx.Node, Window] | None:
-    """The input and window of the ``F.max_pool2d`` call at ``node`` where the ops compute it: a float32 CPU 4-d
-    input, constant sizes, no ``ceil_mode`` and no indices returned."""
+    """The input and window of the ``F.max_pool2d`` call at ``node`` where the ops compute it: a 4-d CPU input
+    computed in float32 (float32, ``bfloat16``), constant sizes, no ``ceil_mode`` and no indices returned."""
     if node.op != "call_function" or node.target is not F.max_pool2d:
         return None
     try:
@@ -147,7 +149,7 @@ def _window(node: torch.fx.Node) -> tuple[torch.fx.Node, Window] | None:
         return None
     input = arguments["input"]
     value = input.meta.get("example_value") if isinstance(input, torch.fx.Node) else None
-    if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.dtype != torch.float32:
+    if not isinstance(value, torch.Tensor) or value.dim() != 4 or not computed_in_float32(value):
         return None
     if value.device.type != "cpu":
         return None
@@ -166,7 +168,7 @@ def replaceable_max_pools(gm: torch.fx.GraphModule) -> int:
 
 
 def replace_max_pools(gm: torch.fx.GraphModule) -> int:
-    """Point ``gm``'s ``F.max_pool2d`` calls (float32, on CPU, 4-d, no ``ceil_mode``, values only) at
+    """Point ``gm``'s ``F.max_pool2d`` calls (float32 or ``bfloat16``, on CPU, 4-d, no ``ceil_mode``, values only) at
     :func:`max_pool2d`; returns the calls replaced.
 
     Example:

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
+from lightning_ort.engine.fx.precision import computed_in_float32
 from lightning_ort.engine.torch_internals import get_decompositions
 
 aten = torch.ops.aten
@@ -44,15 +45,15 @@ SILU_BACKWARD = torch.ops.lightning_ort.silu_backward.default
 
 
 def silu_backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
-    """``aten.silu_backward`` for a CPU graph with lightning_ort's kernels: :data:`SILU_BACKWARD` for float32
-    operands of one shape, PyTorch's own decomposition otherwise.
+    """``aten.silu_backward`` for a CPU graph with lightning_ort's kernels: :data:`SILU_BACKWARD` for operands of
+    one shape and one dtype computed in float32 (float32, ``bfloat16``), PyTorch's own decomposition otherwise.
 
     Example:
         >>> x, g = torch.randn(3, 5), torch.randn(3, 5)
         >>> torch.allclose(silu_backward(g, x), aten.silu_backward(g, x), atol=1e-6)
         True
     """
-    if grad_output.dtype == input.dtype == torch.float32 and grad_output.shape == input.shape:
+    if grad_output.dtype == input.dtype and computed_in_float32(input) and grad_output.shape == input.shape:
         return SILU_BACKWARD(grad_output, input)
     return _DECOMPOSED(grad_output, input)
 

@@ -4,6 +4,8 @@
   its pattern rewriter.
 * :func:`compute_bfloat16_in_float` (CPU graphs): ``bfloat16`` ops (autocast) computed in float32, for which
   ONNX Runtime's CPU provider has kernels; casts to ``bfloat16`` still round.
+* :func:`drop_identity_casts`: casts to the type their input already has (autocast's float32 casts of gradients
+  the graph now computes in float32) are dropped, their outputs written by the producer.
 * :func:`collapse_reshapes`: reshapes that change nothing are dropped and chains of reshapes shortcut.
 * :func:`merge_slices`: a ``Slice`` of a ``Slice`` on other axes becomes one ``Slice`` (a strided convolution's
   input subsampled along both image axes), one pass over the data instead of two.
@@ -241,6 +243,65 @@ def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
     )
     _set_nodes(graph, nodes)
     return moved
+
+
+def drop_identity_casts(model: onnx.ModelProto) -> int:
+    """Remove the ``Cast`` nodes whose input already has the type they cast to, in place; returns how many.
+
+    :func:`compute_bfloat16_in_float` leaves them: autocast's cast of a ``bfloat16`` weight gradient to the
+    float32 parameter's type reads a value now computed in float32, and would copy it. ONNX Runtime's own cast
+    elimination keeps the ones that write a graph output (gradients are); here the producer of the cast's input
+    writes that output directly instead, where the input is no graph input, initializer or other output.
+    Graphs with subgraphs are left as they are.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
+        >>> y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
+        >>> nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Cast", ["r"], ["y"], to=1)]
+        >>> graph = helper.make_graph(nodes, "g", [x], [y], value_info=[helper.make_tensor_value_info("r", 1, [4])])
+        >>> model = helper.make_model(graph)
+        >>> drop_identity_casts(model), [(n.op_type, list(n.output)) for n in model.graph.node]
+        (1, [('Relu', ['y'])])
+    """
+    graph = model.graph
+    if any(
+        attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for attr in n.attribute
+    ):
+        return 0
+    values = _values(graph)
+    outputs = {value.name for value in graph.output}
+    fixed = outputs | {value.name for value in graph.input} | {init.name for init in graph.initializer}
+    produced = {name for node in graph.node for name in node.output}
+    alias: dict[str, str] = {}  # every occurrence of a name -> the name that now holds its value
+
+    def resolved(name: str) -> str:
+        while name in alias:
+            name = alias[name]
+        return name
+
+    kept = []
+    for node in graph.node:
+        known = values.get(node.input[0]) if node.op_type == "Cast" and _in_default_domain(node) else None
+        if known is None or known.elem_type != _attributes(node)["to"]:
+            kept.append(node)
+            continue
+        source, target = resolved(node.input[0]), node.output[0]
+        if target not in outputs:
+            alias[target] = source
+        elif source not in fixed and source in produced:
+            alias[source] = target
+            fixed.add(source)
+        else:
+            kept.append(node)
+    if len(kept) == len(graph.node):
+        return 0
+    for node in kept:
+        node.input[:] = [resolved(name) if name else name for name in node.input]
+        node.output[:] = [resolved(name) if name else name for name in node.output]
+    dropped = len(graph.node) - len(kept)
+    _set_nodes(graph, kept)
+    _keep_value_info(graph, {name for node in kept for name in node.output})
+    return dropped
 
 
 CUDA_FLOAT_ONLY_OPS = frozenset(
@@ -1613,6 +1674,7 @@ _CUDA = frozenset({"cuda"})
 
 PASSES = (
     OnnxPass("bfloat16 ops computed in float32", compute_bfloat16_in_float, _CPU),
+    OnnxPass("casts to the type they read dropped", drop_identity_casts),
     OnnxPass("biases split from Gemm", split_gemm_bias, _CPU),
     OnnxPass("transposed matmul operands fused", fuse_transposed_operands),
     OnnxPass("strided projections' input gradients added in the phase weave", weave_projection_grads, _CPU),
