@@ -193,26 +193,36 @@ def assert_fp64_accuracy(
     after batch norm) gets another gradient from any float32 computation that rounds differently, ONNX
     Runtime's or PyTorch's own on a slightly different input. ``perturbations`` measures that: eager float32
     also runs on that many copies of the inputs perturbed by :data:`PERTURBATION` (relative), and eager's
-    distance is the largest of its runs'.
+    distance is the largest of its runs'. A model whose inputs are all integers (token ids) has copies of its
+    parameters perturbed instead.
 
     Args:
         eager: the float32 model; ``wrapped`` runs a copy of it.
         wrapped: the ORTModule (its parameters equal ``eager``'s).
         inputs: float32 inputs.
-        perturbations: eager runs on perturbed inputs.
+        perturbations: eager runs on perturbed inputs (or with perturbed parameters).
     """
     reference = copy.deepcopy(eager).double()
     generator = torch.Generator().manual_seed(99)
 
     def perturb(x: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
-        return x * (1 + PERTURBATION * noise) if x.is_floating_point() else x
+        if not x.is_floating_point():
+            return x
+        return x * (1 + PERTURBATION * torch.randn(x.shape, generator=generator, dtype=x.dtype))
+
+    def perturbed_run(index: int) -> tuple[str, torch.nn.Module, list[torch.Tensor]]:
+        model = copy.deepcopy(eager)
+        if not any(x.is_floating_point() for x in inputs):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.copy_(perturb(parameter))
+        return f"perturbed{index}", model, [perturb(x) for x in inputs]
 
     runs = [
         ("float64", reference, [x.double() if x.is_floating_point() else x for x in inputs]),
         ("eager", eager, list(inputs)),
         ("ort", wrapped, list(inputs)),
-        *((f"perturbed{i}", copy.deepcopy(eager), [perturb(x) for x in inputs]) for i in range(perturbations)),
+        *(perturbed_run(i) for i in range(perturbations)),
     ]
     results = {}
     for name, model, args in runs:

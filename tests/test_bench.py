@@ -19,7 +19,6 @@ from lightning_ort.bench import runner as bench
 from lightning_ort.bench import shapes
 from lightning_ort.bench import workloads as bench_workloads
 from lightning_ort.bench.conv import ConvLayer
-from tests.helpers import assert_grads_close
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,18 +90,16 @@ def test_matmul_flops_of_the_transformer_step() -> None:
     assert bench.step_matmul_flops(workload) / 1e9 == pytest.approx(43, rel=0.1)
 
 
-def test_the_transformer_workload_trains_in_onnx_runtime_as_eager() -> None:
+def test_the_transformer_workload_trains_in_onnx_runtime_within_eagers_float64_spread() -> None:
+    # A ReLU's near-zero pre-activations flip with the rounding of the product before it, so single gradient
+    # entries may differ from eager's by far more than float32 noise: ORT is held to eager's distance to float64.
     from lightning_ort import ORTModule
+    from tests.helpers import assert_fp64_accuracy
 
     workload = bench_workloads.transformer_workload(torch.device("cpu"))
     workload.model.eval()  # dropout off: eager's and ONNX Runtime's masks differ
     wrapped = ORTModule(copy.deepcopy(workload.model), fallback="raise")
-    expected = workload.loss_fn(workload.forward(workload.model))
-    loss = workload.loss_fn(workload.forward(wrapped))
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    expected.backward()
-    assert_grads_close(wrapped, workload.model, rtol=1e-3, atol=1e-5)
+    assert_fp64_accuracy(workload.model, wrapped, *workload.inputs, perturbations=2)
     assert wrapped.statistics.backward_runs == 1 and wrapped.statistics.fallback_ops == 0
 
 

@@ -52,6 +52,7 @@ from lightning_ort.engine.fx.grid_sample import grid_sampler_2d_backward
 from lightning_ort.engine.fx.group_norm import group_norm, group_norm_backward
 from lightning_ort.engine.fx.layer_norm import layer_norm_backward
 from lightning_ort.engine.fx.precision import computed_in_float32
+from lightning_ort.engine.fx.scatter import index_put
 from lightning_ort.engine.fx.silu import silu_backward
 from lightning_ort.engine.torch_internals import FUSED_ATTENTION_FORWARD, core_aten_decompositions, get_decompositions
 from lightning_ort.options import AttentionPath, ConvWeightGrad
@@ -1259,7 +1260,8 @@ def capture_decompositions(
     :func:`hardtanh_backward` replace ATen's exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel
     is not slower than a ``Mul``. The batch norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`)
     are CPU only too: they pay on CPU, and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below
-    1e-5 to 1e-5.
+    1e-5 to 1e-5. So is :func:`~lightning_ort.engine.fx.scatter.index_put`, which keeps accumulating puts off
+    the CPU ``ScatterND`` kernel that loses sums between threads.
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)
@@ -1319,6 +1321,8 @@ _CPU_KERNELS: dict[Any, Callable[..., Any]] = {
 """The decompositions into lightning_ort's CPU kernels, for CPU graphs where the kernels are built."""
 
 _CPU_ONLY: dict[Any, Callable[..., Any]] = {
+    aten.index_put.default: index_put,
+    aten._unsafe_index_put.default: index_put,
     aten.threshold_backward.default: threshold_backward,
     aten.hardtanh_backward.default: hardtanh_backward,
     aten._native_batch_norm_legit_functional.default: batch_norm_functional,
