@@ -49,6 +49,7 @@ RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "r
 NONDETERMINISTIC = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 OUR_FAMILIES = (
+    "index_put",
     "nn.functional.scaled_dot_product_attention",
     "nn.functional.multi_head_attention_forward",
     "nn.functional.relu",
