@@ -30,7 +30,11 @@ from lightning_ort.engine.fx.batch_norm import (
     BATCH_NORM_TRAINING,
     BATCH_NORM_TRAINING_BACKWARD,
 )
+from lightning_ort.engine.fx.gelu import GELU_BACKWARD
 from lightning_ort.engine.fx.group_norm import GROUP_NORM, GROUP_NORM_BACKWARD
+from lightning_ort.engine.fx.layer_norm import LAYER_NORM_BACKWARD
+from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
+from lightning_ort.engine.fx.silu import SILU_BACKWARD
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 
 
@@ -148,3 +152,24 @@ def test_group_norm_ops_compute_bfloat16_in_float32_with_their_fake_dtypes() -> 
     torch.library.opcheck(GROUP_NORM_BACKWARD, (grad, x, weight, mean, rstd, 3))
     grads = GROUP_NORM_BACKWARD(grad, x, weight, mean, rstd, 3)
     assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32]
+
+
+def test_activation_norm_and_pooling_ops_take_bfloat16_with_their_fake_dtypes() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(2, 4, 8, 8, generator=generator).bfloat16(), torch.randn(2, 4, 8, 8).bfloat16()
+    weight = torch.rand(8, generator=generator) + 0.5
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [8], weight, None, 1e-5)
+    window = ([3, 3], [2, 2], [1, 1], [1, 1])
+    pooled = MAX_POOL2D(x, *window)
+    cases = [
+        (GELU_BACKWARD, (grad, x, "tanh")),
+        (SILU_BACKWARD, (grad, x)),
+        (LAYER_NORM_BACKWARD, (grad, x, weight, mean, rstd)),
+        (MAX_POOL2D, (x, *window)),
+        (MAX_POOL2D_BACKWARD, (torch.randn(pooled.shape).bfloat16(), x, *window)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+        outputs = op(*args)
+        first = outputs[0] if isinstance(outputs, tuple) else outputs
+        assert first.dtype == torch.bfloat16

@@ -107,7 +107,7 @@ def weight_gradient_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 
 def _is_cast(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a copy of its input in another dtype (same shape, same device)."""
+    """Whether ``node`` copies its input to its shape and device, changing at most its dtype."""
     if node.op != "call_function" or node.target not in (aten._to_copy.default, prims.convert_element_type.default):
         return False
     source, value = node.all_input_nodes[0].meta.get("val"), node.meta.get("val")

@@ -43,7 +43,7 @@ def layer_norm_backward_op(
     grad_input, grad_weight, _ = aten.native_layer_norm_backward(
         grad_output, input, list(weight.shape), mean, invstd, weight, None, [True, True, False]
     )
-    grad_bias = grad_output.sum(tuple(range(grad_output.dim() - weight.dim())))
+    grad_bias = grad_output.sum(tuple(range(grad_output.dim() - weight.dim())), dtype=weight.dtype)
     return grad_input, grad_weight, grad_bias
 
 
