@@ -31,7 +31,7 @@ import torch.fx
 from torch.nn import functional as F
 
 from lightning_ort.engine.fx.decompositions import channel_layout
-from lightning_ort.engine.fx.precision import computed_in_float32
+from lightning_ort.engine.fx.precision import computed_in_float32, in_compute_dtype
 
 
 @torch.library.custom_op("lightning_ort::batch_norm_training", mutates_args=())
@@ -80,12 +80,12 @@ def _batch_norm_training(
     """The forward ops' PyTorch form; ``residual`` is added before the clamp. 16-bit operands are computed in
     float32, as the kernels compute them; the output has ``input``'s dtype, the statistics ``weight``'s."""
     dims, _, count = channel_layout(input)
-    x, scale, shift, running_mean, running_var = _in_compute_dtype(input, weight, bias, running_mean, running_var)
+    x, scale, shift, running_mean, running_var = in_compute_dtype(input, weight, bias, running_mean, running_var)
     var, mean = torch.var_mean(x, dims, correction=0)
     invstd = torch.rsqrt(var + eps)
     output = _normalized(x, scale, shift, mean, invstd)
     if residual is not None:
-        output = output + _in_compute_dtype(residual)[0]
+        output = output + in_compute_dtype(residual)[0]
     if clamp:
         output = output.clamp(low, high)
     new_running_mean = momentum * mean + (1 - momentum) * running_mean
@@ -155,15 +155,10 @@ def batch_norm_training_backward_op(
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad)))
         True
     """
-    grad_output, x, weight_, bias_, mean_, invstd_ = _in_compute_dtype(grad_output, input, weight, bias, mean, invstd)
+    grad_output, x, weight_, bias_, mean_, invstd_ = in_compute_dtype(grad_output, input, weight, bias, mean, invstd)
     grad = _kept(grad_output, _normalized(x, weight_, bias_, mean_, invstd_), clamp, low, high)
     grad_input, grad_weight, grad_bias = _input_grads(grad, x, weight_, mean_, invstd_)
     return grad_input.to(input.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
-
-
-def _in_compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """``tensors`` in the dtype the kernels compute them in: float32 for 16-bit floats."""
-    return [t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors]
 
 
 def _kept(grad_output: torch.Tensor, value: torch.Tensor, clamp: bool, low: float, high: float) -> torch.Tensor:
@@ -278,7 +273,7 @@ def batch_norm_add_training_backward_op(
         >>> all(torch.allclose(a, e, atol=1e-4) for a, e in zip(grads, (x_.grad, w_.grad, b_.grad, z_.grad)))
         True
     """
-    grad_output, x, weight_, mean_, invstd_, output_ = _in_compute_dtype(
+    grad_output, x, weight_, mean_, invstd_, output_ = in_compute_dtype(
         grad_output, input, weight, mean, invstd, output
     )
     grad = _kept(grad_output, output_, clamp, low, high)

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
-from lightning_ort.engine.fx.precision import computed_in_float32
+from lightning_ort.engine.fx.precision import computed_in_float32, in_compute_dtype
 from lightning_ort.engine.torch_internals import get_decompositions
 
 aten = torch.ops.aten
@@ -48,9 +48,8 @@ def group_norm_op(
         >>> torch.allclose(out, F.group_norm(x, 3, w, b), atol=1e-6), tuple(mean.shape)
         (True, (2, 3))
     """
-    compute = torch.promote_types(input.dtype, torch.float32)
     output, mean, rstd = aten.native_group_norm(
-        input.to(compute), weight.to(compute), bias.to(compute), *_image_sizes(input), groups, eps
+        *in_compute_dtype(input, weight, bias), *_image_sizes(input), groups, eps
     )
     return output.to(input.dtype), mean, rstd
 
@@ -85,9 +84,9 @@ def group_norm_backward_op(
         True
     """
     sizes = _image_sizes(input)
-    compute = torch.promote_types(input.dtype, torch.float32)
+    grad, x, scale = in_compute_dtype(grad_output, input, weight)
     grad_input, grad_weight, grad_bias = aten.native_group_norm_backward(
-        grad_output.to(compute), input.to(compute), mean, rstd, weight.to(compute), *sizes, groups, [True] * 3
+        grad, x, mean, rstd, scale, *sizes, groups, [True] * 3
     )
     return grad_input.to(input.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype)
 

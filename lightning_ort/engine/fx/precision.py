@@ -26,3 +26,13 @@ def computed_in_float32(*tensors: torch.Tensor) -> bool:
         (True, False, False)
     """
     return all(t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and t.device.type == "cpu") for t in tensors)
+
+
+def in_compute_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` in the dtype the kernels compute them in: float32 for 16-bit floats, their own otherwise.
+
+    Example:
+        >>> [t.dtype for t in in_compute_dtype(torch.ones(2).bfloat16(), torch.ones(2).double())]
+        [torch.float32, torch.float64]
+    """
+    return [t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors]

@@ -196,9 +196,7 @@ def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:
     graph = model.graph
     values = _values(graph)
     bf16, float32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
-    if all(value.elem_type != bf16 for value in values.values()) or any(
-        attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for attr in n.attribute
-    ):
+    if all(value.elem_type != bf16 for value in values.values()) or _has_subgraphs(graph):
         return 0
     in_float: dict[str, str] = {}  # a bfloat16 value -> the float32 value its readers read instead
     nodes: list[onnx.NodeProto] = []
@@ -264,9 +262,7 @@ def drop_identity_casts(model: onnx.ModelProto) -> int:
         (1, [('Relu', ['y'])])
     """
     graph = model.graph
-    if any(
-        attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for attr in n.attribute
-    ):
+    if _has_subgraphs(graph):
         return 0
     values = _values(graph)
     outputs = {value.name for value in graph.output}
@@ -1592,6 +1588,14 @@ def drop_unused_initializers(model: onnx.ModelProto) -> int:
         del graph.initializer[:]
         graph.initializer.extend(kept)
     return dropped
+
+
+def _has_subgraphs(graph: onnx.GraphProto) -> bool:
+    """Whether a node of ``graph`` holds a subgraph (``If``, ``Loop``, ``Scan``), whose names a rewrite that
+    renames values would have to follow."""
+    return any(
+        attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for attr in n.attribute
+    )
 
 
 def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
