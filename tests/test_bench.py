@@ -436,13 +436,13 @@ def test_ort_blocks_auto_runs_block_graphs_as_the_strategies_do() -> None:
 
 
 def test_breakdown_reports_each_runtimes_step_and_where_its_host_time_goes(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["breakdown", "--device", "cpu", "--workload", "mlp", "--steps", "2", "--warmup", "0"]
+    args = ["breakdown", "--device", "cpu", "--workload", "mlp", "--steps", "2", "--warmup", "0", "--top", "5"]
     report = bench.main([*args, "--runtime", "ort/cuda_graph=on"])
     assert [run.runtime for run in report.runs] == ["eager", "ort/cuda_graph=on"]
     for run in report.runs:
         assert run.wall_ms > 0 and run.device_ms is None, "no device time on CPU"
         assert run.launches == 0 and not run.waits and not run.copies
-        assert len(run.top_host) == 8 and all(calls > 0 and ms >= 0 for _, calls, ms in run.top_host)
+        assert len(run.top_host) == 5 and all(calls > 0 and ms >= 0 for _, calls, ms in run.top_host)
         assert run.top_device == [], "no device kernels on CPU"
     eager, ort = ([name for name, _, _ in run.top_host] for run in report.runs)
     assert "CompiledFunction" in ort and "CompiledFunctionBackward" in ort, "ORTModule's graphs ran"
@@ -461,7 +461,7 @@ def test_breakdown_lists_each_runtimes_slowest_device_kernels() -> None:
     lines = format_breakdown([eager, StepBreakdown("ort", 12.0, 11.0, 30)])
     assert "eager: device time per step" in lines and "ort: device time per step" not in lines
     (row,) = [line for line in lines if "GeluCUDAKernelImpl" in line]
-    assert row.split()[0].startswith("at::native::vectorized_elementwise_kernel"), "the return type is dropped"
+    assert row.split()[0] == "at::vectorized_elementwise_kernel<4,", "the return type is dropped, at::native shortened"
     assert row.split()[-4:] == ["12", "calls", "1.25", "ms"]
 
 

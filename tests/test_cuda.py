@@ -280,13 +280,13 @@ def test_onnx_runtime_runs_on_pytorchs_default_stream_without_waiting_for_the_gp
     assert wrapped.statistics.forward_runs == 4 and wrapped.statistics.backward_runs == 4
 
 
-def test_the_breakdown_lists_the_kernels_onnx_runtime_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_breakdown_lists_the_kernels_onnx_runtime_launched() -> None:
     from lightning_ort.bench import breakdown
     from lightning_ort.bench.workloads import WORKLOADS
 
-    monkeypatch.setattr(breakdown, "TOP", 100)  # every kernel, not only the matrix products that lead
     device = torch.device("cuda")
-    eager, ort = breakdown.break_down(WORKLOADS["mlp"](device), ["eager", "ort"], device, 2, 1, "fp32")
+    # Every kernel, not only the matrix products that lead.
+    eager, ort = breakdown.break_down(WORKLOADS["mlp"](device), ["eager", "ort"], device, 2, 1, "fp32", top=100)
     for run in (eager, ort):
         assert run.device_ms is not None and run.device_ms > 0
         assert run.top_device and all(calls > 0 and ms > 0 for _, calls, ms in run.top_device)

@@ -29,9 +29,19 @@ from lightning_ort.bench.workloads import Workload
 PROFILED_STEPS = 2
 """Steps recorded by the profiler per runtime (after the timed ones); its counts are per step."""
 TOP = 8
-"""Host operations, and device kernels, listed per runtime."""
-KERNEL_NAME_CHARS = 90
+"""Host operations, and device kernels, listed per runtime unless ``--top`` says otherwise."""
+KERNEL_NAME_CHARS = 100
 """A kernel's name is cut to this many characters (template arguments make them long)."""
+NAMESPACES = (
+    ("onnxruntime::contrib::cuda::", "ort::"),
+    ("onnxruntime::cuda::", "ort::"),
+    ("onnxruntime::", "ort::"),
+    ("at::native::", "at::"),
+    ("(anonymous namespace)::", ""),
+    ("at_cuda_detail::", ""),
+)
+"""Namespaces shortened in kernel names (``ort::`` for ONNX Runtime's, ``at::`` for PyTorch's), so that the
+template arguments that tell kernels apart (an elementwise kernel's ``OP_Mul``) fit in the listing."""
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 """The host calls that launch device work."""
@@ -58,9 +68,16 @@ class StepBreakdown:
 
 
 def break_down(
-    workload: Workload, runtimes: Sequence[str], device: torch.device, steps: int, warmup: int, precision: str
+    workload: Workload,
+    runtimes: Sequence[str],
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    precision: str,
+    top: int = TOP,
 ) -> list[StepBreakdown]:
-    """Each of ``runtimes`` on ``workload``, one after another: ``steps`` timed steps, then the profiled ones.
+    """Each of ``runtimes`` on ``workload``, one after another: ``steps`` timed steps, then the profiled ones;
+    the ``top`` host operations and device kernels by time are kept.
 
     Example:
         >>> from lightning_ort.bench.workloads import WORKLOADS
@@ -84,8 +101,8 @@ def break_down(
         device_ms = None
         if device.type == "cuda":
             device_ms = sum(event.self_device_time_total for event in kernels) / 1e3 / PROFILED_STEPS
-        top = sorted(host, key=lambda event: -event.self_cpu_time_total)[:TOP]
-        top_kernels = sorted(kernels, key=lambda event: -event.self_device_time_total)[:TOP]
+        top_host = sorted(host, key=lambda event: -event.self_cpu_time_total)[:top]
+        top_kernels = sorted(kernels, key=lambda event: -event.self_device_time_total)[:top]
         results.append(
             StepBreakdown(
                 name,
@@ -94,7 +111,7 @@ def break_down(
                 sum(per_step.get(key, 0) for key in LAUNCHES),
                 {key: per_step[key] for key in WAITS if per_step.get(key)},
                 {key: per_step[key] for key in COPIES if per_step.get(key)},
-                [(e.key, e.count / PROFILED_STEPS, e.self_cpu_time_total / 1e3 / PROFILED_STEPS) for e in top],
+                [(e.key, e.count / PROFILED_STEPS, e.self_cpu_time_total / 1e3 / PROFILED_STEPS) for e in top_host],
                 [
                     (e.key, e.count / PROFILED_STEPS, e.self_device_time_total / 1e3 / PROFILED_STEPS)
                     for e in top_kernels
@@ -136,8 +153,26 @@ def format_breakdown(runs: Sequence[StepBreakdown]) -> list[str]:
 
 
 def _kernel_name(name: str) -> str:
-    """A kernel's name without its return type, cut to :data:`KERNEL_NAME_CHARS` characters."""
-    return name.removeprefix("void ")[:KERNEL_NAME_CHARS]
+    """A kernel's name without its return type and parameter list, with :data:`NAMESPACES` shortened, cut to
+    :data:`KERNEL_NAME_CHARS` characters.
+
+    Example:
+        >>> _kernel_name("void onnxruntime::cuda::_BinaryElementWiseSimple<true, false, float, "
+        ...              "onnxruntime::cuda::OP_Mul<float, float, float>, 256, 4>(float const*, float*, int)")
+        'ort::_BinaryElementWiseSimple<true, false, float, ort::OP_Mul<float, float, float>, 256, 4>'
+        >>> _kernel_name("Memcpy DtoD (Device -> Device)")
+        'Memcpy DtoD (Device -> Device)'
+    """
+    name = name.removeprefix("void ")
+    for long, short in NAMESPACES:
+        name = name.replace(long, short)
+    depth = 0
+    for i, char in enumerate(name):
+        depth += (char == "<") - (char == ">")
+        if char == "(" and depth == 0 and i > 0 and name[i - 1] != " ":
+            name = name[:i]
+            break
+    return name[:KERNEL_NAME_CHARS]
 
 
 @dataclass

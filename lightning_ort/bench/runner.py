@@ -48,7 +48,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from lightning_ort.bench.breakdown import BreakdownReport, break_down
+from lightning_ort.bench.breakdown import TOP, BreakdownReport, break_down
 from lightning_ort.bench.conv import LAYERS, ConvReport, run_conv_study
 from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
@@ -507,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     if args.study == "breakdown":
         (workload,) = build_workloads([args.workload], [], device)
         runtimes = _with_eager(args.runtime or ["ort"])
-        steps = break_down(workload, runtimes, device, args.steps, args.warmup, args.precision)
+        steps = break_down(workload, runtimes, device, args.steps, args.warmup, args.precision, args.top)
         machine = _machine(args, device)
         return _emit(BreakdownReport(**machine, runs=steps, workload=workload.name, precision=args.precision), args)
     if args.study == "table":
@@ -711,6 +711,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     breakdown.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer", help="default: transformer")
     breakdown.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
+    breakdown.add_argument(
+        "--top", type=int, default=TOP, help=f"host operations and device kernels listed per runtime (default {TOP})"
+    )
 
     conv = studies.add_parser(
         "conv",
