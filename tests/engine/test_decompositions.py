@@ -512,6 +512,41 @@ def test_dropout_outside_training_or_at_the_ends_is_pytorchs() -> None:
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
 
 
+def test_rrelu_trains_in_onnx_runtime_with_atens_slopes_and_gradient() -> None:
+    # ATen's slopes are random, so its reference is rebuilt from them: y = x where x > 0, else x * slope with
+    # slope in [lower, upper); dx = dy there, else dy * slope. One seed gives one draw.
+    lower, upper = 0.1, 0.3
+    wrapped = ORTModule(_Doubled(torch.nn.RReLU(lower, upper)))
+    x = torch.randn(64, 256, requires_grad=True)
+    grad = torch.randn(64, 256)
+    torch.manual_seed(7)
+    y = wrapped(x)
+    y.backward(grad)
+    y = y.detach()
+    assert wrapped.statistics.fallback_ops == 0 and wrapped.statistics.backward_runs == 1
+    doubled = 2 * x.detach()
+    positive = doubled > 0
+    torch.testing.assert_close(y[positive], doubled[positive], rtol=0, atol=0)
+    slope = y[~positive] / doubled[~positive]
+    assert float(slope.min()) >= lower - 1e-6 and float(slope.max()) < upper + 1e-6
+    assert abs(float(slope.mean()) - (lower + upper) / 2) < 0.01, "uniform slopes"
+    torch.testing.assert_close(x.grad[positive], 2 * grad[positive])
+    torch.testing.assert_close(x.grad[~positive], 2 * grad[~positive] * slope)
+    torch.manual_seed(7)
+    torch.testing.assert_close(wrapped(x), y, rtol=0, atol=0, msg="the slopes follow torch.manual_seed")
+    graphs = [runner._graph.model.graph for _, runner in wrapped._backend.runners()]
+    ops = {node.op_type for graph in graphs for node in graph.node}
+    assert len(graphs) == 2 and not any(op.startswith("Random") for op in ops), ops
+
+
+def test_rrelu_outside_training_is_atens_leaky_relu_in_onnx_runtime() -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RReLU(0.1, 0.3)).eval()
+    wrapped = ORTModule(copy.deepcopy(module)).eval()
+    x = torch.randn(16, 8)
+    torch.testing.assert_close(wrapped(x), module(x))
+    assert wrapped.statistics.fallback_ops == 0
+
+
 @pytest.mark.parametrize("size", [(7, 6), (8, 11), (9, 9)])
 @pytest.mark.parametrize(("kernel", "stride", "padding"), [(2, 2, 0), (3, 2, 1), (3, 1, 1), (2, 3, 1)])
 @pytest.mark.parametrize("ceil_mode", [False, True])

@@ -2,11 +2,12 @@
 
 Some functions trace into ATen ops that export badly: SDPA's fused kernels have backward ops with no ONNX
 translation, ``F.multi_head_attention_forward`` splits heads with many layout copies, ``F.dropout``'s mask
-is drawn by ONNX's own generator, and ``F.cross_entropy``'s gradient is built from a scattered one-hot tensor
-in seven passes over the class scores. :func:`substitute_functions` points each such call at its replacement
-here: :func:`attention` (SDPA's math path written with plain ops), :func:`multi_head_attention`,
-:func:`dropout` (the input times a one-byte keep mask drawn by one random op, :func:`dropout_keep`, which the
-export lifts out as an input drawn in PyTorch, scaled in the graph) and :func:`cross_entropy`.
+is drawn by ONNX's own generator, ``F.rrelu``'s random slopes live in a buffer ATen mutates, and
+``F.cross_entropy``'s gradient is built from a scattered one-hot tensor in seven passes over the class scores.
+:func:`substitute_functions` points each such call at its replacement here: :func:`attention` (SDPA's math path
+written with plain ops), :func:`multi_head_attention`, :func:`dropout` (the input times a one-byte keep mask
+drawn by one random op, :func:`dropout_keep`, which the export lifts out as an input drawn in PyTorch, scaled in
+the graph), :func:`rrelu` (slopes from a uniform tensor lifted the same way) and :func:`cross_entropy`.
 """
 
 from __future__ import annotations
@@ -120,6 +121,44 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
     if inplace:
         return input.mul_(scaled)
     return (input * scaled).to(input.dtype)
+
+
+_EAGER_RRELU = torch.nn.functional.rrelu
+
+
+def rrelu(
+    input: torch.Tensor,
+    lower: float = 1.0 / 8,
+    upper: float = 1.0 / 3,
+    training: bool = False,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """``F.rrelu`` in training as ``where(input > 0, input, input * slope)``, ``slope`` uniform on
+    ``[lower, upper)`` per element: the same distribution and gradient as ATen's, in ops that export.
+
+    ATen's ``rrelu_with_noise`` draws the slopes into a ``noise`` buffer it mutates and reads back in the backward;
+    that op has no ONNX translation, so it ran in PyTorch between two ONNX Runtime partitions. Here the slopes come
+    from one ``rand_like``, which the export lifts out as an input drawn from PyTorch's generator for every run
+    (as dropout's mask), and the partitioner saves them for the backward (random ops are never recomputed). As in
+    ATen, an element at 0 takes the slope's gradient. Outside training it is ATen's own fixed slope, a leaky ReLU
+    with ``(lower + upper) / 2``; in place, the call is PyTorch's own.
+
+    Example:
+        >>> x = torch.tensor([-4.0, -2.0, 0.0, 3.0], requires_grad=True)
+        >>> y = rrelu(x, 0.1, 0.3, training=True)
+        >>> y.sum().backward()
+        >>> slope = x.grad[:2]
+        >>> bool(((slope >= 0.1) & (slope < 0.3)).all()), y[3].item(), x.grad[3].item()
+        (True, 3.0, 1.0)
+        >>> torch.allclose(y[:2], x[:2].detach() * slope)
+        True
+    """
+    if inplace:
+        return _EAGER_RRELU(input, lower, upper, training, inplace)
+    if not training:
+        return torch.nn.functional.leaky_relu(input, (lower + upper) / 2)
+    slope = torch.rand_like(input, requires_grad=False) * (upper - lower) + lower
+    return torch.where(input > 0, input, input * slope)
 
 
 _EAGER_MULTI_HEAD_ATTENTION = torch.nn.functional.multi_head_attention_forward
@@ -329,7 +368,8 @@ def substitute_functions(gm: torch.fx.GraphModule, attention_path: AttentionPath
     SDPA's fused kernels have backward ops with no ONNX translation (:func:`attention` is its math path; with
     ``attention_path="torch"`` SDPA stays, to run in PyTorch between ONNX Runtime partitions),
     ``F.multi_head_attention_forward`` splits heads with many layout copies (:func:`multi_head_attention`),
-    ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`), and ``F.cross_entropy``'s
+    ``F.dropout`` becomes a mask the export can draw in PyTorch (:func:`dropout`), ``F.rrelu``'s slopes a uniform
+    tensor drawn the same way (:func:`rrelu`), and ``F.cross_entropy``'s
     gradient takes three passes over the class scores instead of seven (:func:`cross_entropy`). Returns the
     calls replaced.
 
@@ -354,5 +394,6 @@ _SUBSTITUTES = {
     torch.nn.functional.scaled_dot_product_attention: attention,
     torch.nn.functional.multi_head_attention_forward: multi_head_attention,
     torch.nn.functional.dropout: dropout,
+    torch.nn.functional.rrelu: rrelu,
     torch.nn.functional.cross_entropy: cross_entropy,
 }
