@@ -4,7 +4,6 @@ The kernel (``engine/runtime/activation_kernels.cpp``) computes the exact GELU's
 approximation's from vectorized polynomial forms of erfc and exp. These tests check it against float64 over the
 whole float range that matters (within PyTorch's own float32 error), that it propagates NaN and refuses bad input
 with a message, and that captured CPU graphs take it for ``nn.GELU``'s gradient and train as accurately as eager.
-The tanh GELU that Hugging Face models write out in elementwise ops is folded into ``F.gelu`` first.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lightning_ort import DebugOptions, ORTModule
-from lightning_ort.engine.fx.gelu import GELU_BACKWARD, fold_tanh_gelus, gelu_backward, gelus
+from lightning_ort.engine.fx.gelu import GELU_BACKWARD, gelu_backward
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from tests.helpers import assert_fp64_accuracy, kernel_session
 
@@ -111,74 +109,3 @@ def test_the_exported_gradient_is_one_node_per_gelu(library: Path, tmp_path: Pat
     approximations = [helper.get_attribute_value(n.attribute[0]) for n in nodes if n.op_type == "GeluGrad"]
     assert sorted(approximations) == [0, 0, 1]
     assert math.isfinite(float(wrapped.module.up.weight.grad.abs().sum()))
-
-
-def _gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's ``gelu_new`` (GPT-2, GPT-J, BLOOM), as ``transformers.activations.NewGELUActivation``."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's ``gelu_fast``: the same function, grouped otherwise, with a 10-digit constant."""
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-@pytest.mark.parametrize(
-    "gelu", [_gelu_new, _gelu_fast, lambda x: (torch.tanh(0.7978845608 * (x + 0.044715 * x**3)) + 1) * x * 0.5]
-)
-def test_a_tanh_gelu_written_out_in_elementwise_ops_becomes_one_gelu(
-    gelu: Callable[[torch.Tensor], torch.Tensor],
-) -> None:
-    gm = torch.fx.symbolic_trace(lambda x, y: gelu(x) * y)
-    assert fold_tanh_gelus(gm) == 1
-    calls = [node.target for node in gm.graph.nodes if node.op == "call_function"]
-    assert gelus(gm) == 1 and len(calls) == 2, calls
-    x, y = torch.randn(64, 32) * 3, torch.randn(64, 32)
-    torch.testing.assert_close(gm(x, y), gelu(x) * y, rtol=1e-6, atol=1e-6)
-
-
-def test_chains_that_are_not_the_tanh_gelu_or_share_their_intermediates_stay() -> None:
-    def other_constant(x: torch.Tensor) -> torch.Tensor:
-        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.05 * torch.pow(x, 3.0))))
-
-    def shared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inner = x + 0.044715 * torch.pow(x, 3.0)
-        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * inner)), inner
-
-    def two_tensors(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return 0.5 * y * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
-
-    for function in (other_constant, shared, two_tensors, lambda x: torch.tanh(x) * x):
-        gm = torch.fx.symbolic_trace(function)
-        before = [node.target for node in gm.graph.nodes]
-        assert fold_tanh_gelus(gm) == 0 and [node.target for node in gm.graph.nodes] == before
-
-
-class NewGeluMLP(nn.Module):
-    """Linear layers with Hugging Face's ``gelu_new`` written out, as GPT-2's MLP has it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(24, 64)
-        self.down = nn.Linear(64, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(_gelu_new(self.up(x)))
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_written_out_tanh_gelu_trains_as_one_gelu_and_one_gradient_kernel(
-    library: Path, tmp_path: Path, seed: int
-) -> None:
-    torch.manual_seed(seed)
-    eager = NewGeluMLP()
-    assert_fp64_accuracy(eager, ORTModule(copy.deepcopy(eager), fallback="raise"), torch.randn(32, 24) * 2)
-    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
-    wrapped = ORTModule(copy.deepcopy(eager), debug, fallback="raise")
-    wrapped(torch.randn(8, 24)).square().sum().backward()
-    forward, backward = (
-        Counter(node.op_type for node in onnx.load(str(tmp_path / f"m_training_{kind}.onnx")).graph.node)
-        for kind in ("forward", "backward")
-    )
-    assert forward["Gelu"] == 1 and forward["Tanh"] == forward["Pow"] == 0, forward
-    assert backward["GeluGrad"] == 1 and backward["Tanh"] == backward["Pow"] == 0, backward

@@ -3,8 +3,9 @@
 TorchDynamo hands each graph it traces (a ``torch``-level FX graph and fake example inputs, parameters
 lifted as inputs) to :class:`~lightning_ort.engine.capture.backend.ORTBackend`, which builds a :class:`CapturedGraph`.
 That swaps a few ``torch.nn.functional`` calls for forms that export well
-(:func:`~lightning_ort.engine.fx.replacements.substitute_functions`) and tanh GELUs written out in elementwise ops
-for ``F.gelu`` (:func:`~lightning_ort.engine.fx.gelu.fold_tanh_gelus`), then AOTAutograd traces the graph with fake
+(:func:`~lightning_ort.engine.fx.replacements.substitute_functions`) and activations written out in elementwise ops
+for their ``torch.nn.functional`` calls (:func:`~lightning_ort.engine.fx.activations.fold_activations`), then
+AOTAutograd traces the graph with fake
 tensors, decomposes it to core ATen, rewrites the joint graph (:mod:`lightning_ort.engine.fx.passes`), partitions
 it with ``min_cut_rematerialization_partition`` and hands each resulting graph to the function of
 :meth:`CapturedGraph._graph_compiler`, which has a :class:`~lightning_ort.engine.capture.build.GraphBuilder` build it
@@ -36,11 +37,12 @@ from lightning_ort.engine.capture.build import (
     op_count,
     warn_fallback,
 )
+from lightning_ort.engine.fx.activations import fold_activations
 from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
 from lightning_ort.engine.fx.conv_phases import strided_convolutions
 from lightning_ort.engine.fx.decompositions import capture_decompositions
 from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
-from lightning_ort.engine.fx.gelu import fold_tanh_gelus, gelus
+from lightning_ort.engine.fx.gelu import gelus
 from lightning_ort.engine.fx.group_norm import group_norms
 from lightning_ort.engine.fx.layer_norm import layer_norms
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
@@ -145,7 +147,7 @@ class CapturedGraph:
         start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
         attention_path = self._options.attention
         substitute_functions(self._gm, attention_path)
-        fold_tanh_gelus(self._gm)
+        fold_activations(self._gm)
         cpu_kernels = self._device.type == "cpu" and _uses_cpu_kernels(self._gm) and kernel_library() is not None
         if cpu_kernels:
             fuse_batch_norms(self._gm)
