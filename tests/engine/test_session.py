@@ -196,6 +196,58 @@ def test_views_of_one_base_are_returned_as_tensors_of_their_own() -> None:
     assert [spec.shape for spec in specs] == [(4,), (2, 2), (2, 2)]
 
 
+def test_a_users_output_that_reshapes_a_computed_value_is_that_values_memory_as_a_tensor_of_its_own() -> None:
+    def outputs(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, c = a * 2, a * 3
+        return b.view(4), c, c.view(4), a.view(4)
+
+    gm = make_fx(outputs)(torch.randn(2, 2))
+    layout, specs = normalise_outputs(gm, None)
+    own, returned, of_returned, of_input = layout.sources
+    assert own == ReshapedOutput(0, (4,), own=True)
+    assert returned == 1 and of_returned == 2, "a reshape of a value returned too is computed: no shared memory"
+    assert of_input == 3, "nor is an input's memory handed out"
+    assert [spec.shape for spec in specs] == [(2, 2), (2, 2), (4,), (4,)]
+    base = torch.arange(4.0).view(2, 2)
+    (placed,) = OutputLayout((own,)).place([base], [], {})
+    assert placed._base is None and placed.shape == (4,) and placed.data_ptr() == base.data_ptr()
+
+
+class _LanguageHead(torch.nn.Module):
+    """Token embeddings and a vocabulary head whose scores are reshaped back to (batch, tokens, vocabulary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        batch, tokens = ids.shape
+        return self.head(self.embed(ids).view(batch * tokens, 16)).view(batch, tokens, 50)
+
+
+def test_logits_leave_onnx_runtime_without_a_copy_and_take_in_place_updates() -> None:
+    # ONNX Runtime's Reshape copies into a graph output: the whole vocabulary's scores for every token, once more.
+    torch.manual_seed(0)
+    eager = _LanguageHead()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 50, (4, 8))
+    logits, expected = wrapped(ids), eager(ids)
+    torch.testing.assert_close(logits, expected)
+    assert logits._base is None and logits.is_contiguous()
+    logits.mul_(2)  # in place, as users treat outputs
+    expected.mul_(2)
+    logits.logsumexp(-1).sum().backward()
+    expected.logsumexp(-1).sum().backward()
+    _assert_grads_match(wrapped, eager)
+    forward = _forward_graph(wrapped)
+    producers = {output: node.op_type for node in forward.model.graph.node for output in node.output}
+    assert producers[forward.model.graph.output[0].name] != "Reshape"
+    assert forward.layout.sources[0] == ReshapedOutput(0, (4, 8, 50), own=True)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(ids), eager(ids))
+
+
 def test_a_graph_whose_outputs_all_view_its_inputs_still_computes_one() -> None:
     # ONNX Runtime cannot load a graph without outputs; the first view is computed in the graph instead.
     def views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

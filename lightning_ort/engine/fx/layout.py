@@ -1,9 +1,9 @@
 """Output layout of exported graphs: which FX outputs ONNX Runtime produces, and how the rest are rebuilt.
 
 ONNX drops ``None`` gradients and needs unique output names, and ONNX Runtime would copy an output that is
-one of the graph's inputs or a reshape of another output. :func:`normalise_outputs` keeps only the tensor
+one of the graph's inputs or a reshape of another value. :func:`normalise_outputs` keeps only the tensor
 outputs ONNX Runtime must compute, once each; :class:`OutputLayout` puts every FX output back in its place
-after a run: ONNX outputs, inputs passed through, views of either, and size expressions.
+after a run: ONNX outputs, inputs passed through, reshapes of either, and size expressions.
 """
 
 from __future__ import annotations
@@ -32,13 +32,18 @@ class PassedInput:
 
 @dataclass(frozen=True)
 class ReshapedOutput:
-    """A saved tensor that is a reshape of an ONNX output or a passed-through input, replayed as a view.
+    """An FX output that is a reshape of an ONNX output or a passed-through input, rebuilt after the run.
 
-    ONNX Runtime's ``Reshape`` cannot alias a graph output, so returning the reshape copies the tensor.
+    ONNX Runtime's ``Reshape`` cannot alias a graph output, so returning the reshape copies the tensor (a
+    language model's logits: the whole vocabulary's scores for every token). A saved tensor, which only the
+    backward graph reads, is rebuilt as a view of its base. A user's output (``own``) is rebuilt as a tensor of its
+    own over the base's memory, which nothing else holds: a view of a tensor autograd never saw would refuse the
+    in-place updates users make to outputs.
     """
 
     base: int | PassedInput
     shape: tuple[Size, ...]
+    own: bool = False
 
 
 Source: TypeAlias = int | PassedInput | ReshapedOutput | sympy.Expr | None
@@ -71,7 +76,10 @@ def _place(
         return inputs[source.index].detach()
     if isinstance(source, ReshapedOutput):
         base = _place(source.base, onnx_outputs, inputs, env)
-        return base.view(tuple(evaluate(size, env) for size in source.shape))
+        shape = tuple(evaluate(size, env) for size in source.shape)
+        if source.own:
+            return base.new_empty((0,)).set_(base.untyped_storage(), base.storage_offset(), shape)
+        return base.view(shape)
     return evaluate(source, env)
 
 
@@ -86,7 +94,9 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
 
     Outputs from index ``views_from`` on that reshape another value are returned as views of it (see
     :class:`ReshapedOutput`) where nothing else returns that value or another view of it: two gradients sharing
-    one buffer would each see the other's in-place updates.
+    one buffer would each see the other's in-place updates. An output before ``views_from`` that reshapes a value
+    ONNX Runtime computes and no other output returns or reshapes becomes a tensor of its own over that value's
+    memory.
     """
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = output_node.args[0]
@@ -97,6 +107,7 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
     bases = [_reshape_base(v) if isinstance(v, torch.fx.Node) else None for v in values]
     shared = Counter(base for base in bases if base is not None)
     returned = set(own_tensor) | {base for base, views in shared.items() if views > 1}
+    in_values = {value for value in values if isinstance(value, torch.fx.Node)}
     unique: list[torch.fx.Node] = []
 
     def tensor_source(node: torch.fx.Node) -> int | PassedInput:
@@ -121,9 +132,14 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
         if isinstance(value.meta.get("val"), torch.SymInt):
             sources.append(sympy.sympify(symbolic_size(value.meta["val"])))
             continue
-        if value not in own_tensor and base is not None and base not in returned:
-            sources.append(ReshapedOutput(tensor_source(base), symbolic_shape(value.meta["val"].shape)))
-            continue
+        if base is not None and base not in returned:
+            shape = symbolic_shape(value.meta["val"].shape)
+            if value not in own_tensor:
+                sources.append(ReshapedOutput(tensor_source(base), shape))
+                continue
+            if base.op != "placeholder" and base not in in_values:
+                sources.append(ReshapedOutput(tensor_source(base), shape, own=True))
+                continue
         sources.append(tensor_source(value))
     if not unique and (views := [i for i, source in enumerate(sources) if isinstance(source, ReshapedOutput)]):
         # Every output is a view of an input: ONNX Runtime cannot load a graph that computes nothing, so the

@@ -217,13 +217,13 @@ def _source_to_json(source: Source) -> Any:
     if isinstance(source, PassedInput):
         return {"input": source.index}
     if isinstance(source, ReshapedOutput):
-        return {"reshape": _source_to_json(source.base), "shape": _sizes_to_json(source.shape)}
+        return {"reshape": _source_to_json(source.base), "shape": _sizes_to_json(source.shape), "own": source.own}
     return _size_to_json(source)
 
 
 def _source_from_json(value: Any) -> Any:
     if isinstance(value, dict) and "reshape" in value:
-        return ReshapedOutput(_source_from_json(value["reshape"]), _sizes_from_json(value["shape"]))
+        return ReshapedOutput(_source_from_json(value["reshape"]), _sizes_from_json(value["shape"]), value["own"])
     return PassedInput(value["input"]) if isinstance(value, dict) and "input" in value else _size_from_json(value)
 
 
