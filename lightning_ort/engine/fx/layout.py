@@ -37,8 +37,8 @@ class ReshapedOutput:
     ONNX Runtime's ``Reshape`` cannot alias a graph output, so returning the reshape copies the tensor (a
     language model's logits: the whole vocabulary's scores for every token). A saved tensor, which only the
     backward graph reads, is rebuilt as a view of its base. A user's output (``own``) is rebuilt as a tensor of its
-    own over the base's memory, which nothing else holds: a view of a tensor autograd never saw would refuse the
-    in-place updates users make to outputs.
+    own over the base's memory, which nothing else holds: what the user gets is what ONNX Runtime's copy was, a
+    tensor that is nobody's view, without the copy.
     """
 
     base: int | PassedInput
