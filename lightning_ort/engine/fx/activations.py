@@ -33,7 +33,6 @@ from torch.nn import functional as F
 class WrittenOutActivation:
     """An activation to fold: the ops a chain of it goes through, what it computes, and the call it becomes."""
 
-    name: str
     through: frozenset[Any]
     """The ``call_function`` targets and ``call_method`` names one of which every such chain holds."""
     reference: Callable[[torch.Tensor], torch.Tensor]
@@ -44,19 +43,17 @@ class WrittenOutActivation:
 
 ACTIVATIONS: tuple[WrittenOutActivation, ...] = (
     WrittenOutActivation(
-        "tanh GELU",
         frozenset({torch.tanh, "tanh"}),
         lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
         F.gelu,
         {"approximate": "tanh"},
     ),
     WrittenOutActivation(
-        "GELU",
         frozenset({torch.erf, torch.special.erf, "erf"}),
         lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
         F.gelu,
     ),
-    WrittenOutActivation("SiLU", frozenset({torch.sigmoid, "sigmoid"}), lambda x: x * torch.sigmoid(x), F.silu),
+    WrittenOutActivation(frozenset({torch.sigmoid, "sigmoid"}), lambda x: x * torch.sigmoid(x), F.silu),
 )
 """The activations :func:`fold_activations` folds."""
 
@@ -102,15 +99,17 @@ def fold_activations(gm: torch.fx.GraphModule) -> int:
     """
     replaced = 0
     erased: set[torch.fx.Node] = set()
+    # The chains' ops are all nodes of the graph as it is now: the calls put in their place are never among them.
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}.__getitem__
     for node in list(gm.graph.nodes):
         if node in erased:
             continue
         for activation in ACTIVATIONS:
             if _target(node) not in activation.through:
                 continue
-            chain = _chain(node, activation)
+            chain = _chain(node, activation, order)
             if chain is not None:
-                erased |= _replace(gm.graph, chain, activation)
+                erased |= _replace(gm.graph, chain, activation, order)
                 replaced += 1
             break
     if replaced:
@@ -125,14 +124,17 @@ class _Chain:
     inner: frozenset[torch.fx.Node]
 
 
-def _replace(graph: torch.fx.Graph, chain: _Chain, activation: WrittenOutActivation) -> set[torch.fx.Node]:
-    """Call ``activation``'s replacement in place of ``chain``; returns the nodes erased."""
+def _replace(
+    graph: torch.fx.Graph, chain: _Chain, activation: WrittenOutActivation, order: Callable[[torch.fx.Node], int]
+) -> set[torch.fx.Node]:
+    """Call ``activation``'s replacement in place of ``chain``; returns the nodes erased (``order`` sorts nodes in
+    the graph's order)."""
     with graph.inserting_before(chain.output):
         call = graph.call_function(activation.replacement, (chain.x,), dict(activation.kwargs))
     call.meta = dict(chain.output.meta)
     chain.output.replace_all_uses_with(call)
     erased = set()
-    for dead in sorted(chain.inner | {chain.output}, key=_position(graph), reverse=True):
+    for dead in sorted(chain.inner | {chain.output}, key=order, reverse=True):
         if not dead.users:
             graph.erase_node(dead)
             erased.add(dead)
@@ -140,9 +142,7 @@ def _replace(graph: torch.fx.Graph, chain: _Chain, activation: WrittenOutActivat
 
 
 def _target(node: torch.fx.Node) -> Any:
-    if node.op == "call_function":
-        return node.target
-    return node.target if node.op == "call_method" else None
+    return node.target if node.op in ("call_function", "call_method") else None
 
 
 def _is_elementwise(node: torch.fx.Node) -> bool:
@@ -183,7 +183,9 @@ def _cone(output: torch.fx.Node) -> tuple[torch.fx.Node, set[torch.fx.Node]] | N
     return x, cone
 
 
-def _chain(through: torch.fx.Node, activation: WrittenOutActivation) -> _Chain | None:
+def _chain(
+    through: torch.fx.Node, activation: WrittenOutActivation, order: Callable[[torch.fx.Node], int]
+) -> _Chain | None:
     """The longest chain through ``through`` that computes ``activation`` of one tensor, or ``None``."""
     found = None
     node = through
@@ -203,7 +205,7 @@ def _chain(through: torch.fx.Node, activation: WrittenOutActivation) -> _Chain |
         inner = ops - {node}
         if any(user not in ops for op in inner for user in op.users):
             continue
-        if _computes(ops, x, node, activation.reference):
+        if _computes(ops, x, node, activation.reference, order):
             found = _Chain(x, node, frozenset(inner))
     return found
 
@@ -220,6 +222,7 @@ def _computes(
     x: torch.fx.Node,
     output: torch.fx.Node,
     reference: Callable[[torch.Tensor], torch.Tensor],
+    order: Callable[[torch.fx.Node], int],
 ) -> bool:
     """Whether ``ops`` (elementwise, reading only ``x`` and numbers) compute ``reference`` of ``x`` at ``output``."""
     values: dict[torch.fx.Node, Any] = {x: _SAMPLES}
@@ -228,7 +231,7 @@ def _computes(
         return values[arg] if isinstance(arg, torch.fx.Node) else arg
 
     try:
-        for node in sorted(ops, key=_position(output.graph)):
+        for node in sorted(ops, key=order):
             args = [value(arg) for arg in node.args]
             kwargs = {key: value(arg) for key, arg in node.kwargs.items()}
             if node.op == "call_method":
@@ -241,9 +244,3 @@ def _computes(
     if not isinstance(result, torch.Tensor) or result.shape != _SAMPLES.shape:
         return False
     return bool(torch.allclose(result, reference(_SAMPLES), rtol=1e-9, atol=1e-9))
-
-
-def _position(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
-    """A sort key giving each node of ``graph`` its place in the graph's order."""
-    index = {node: i for i, node in enumerate(graph.nodes)}
-    return index.__getitem__

@@ -157,7 +157,7 @@ def rrelu(
         return _EAGER_RRELU(input, lower, upper, training, inplace)
     if not training:
         return torch.nn.functional.leaky_relu(input, (lower + upper) / 2)
-    slope = torch.rand_like(input, requires_grad=False) * (upper - lower) + lower
+    slope = torch.rand_like(input) * (upper - lower) + lower
     return torch.where(input > 0, input, input * slope)
 
 
