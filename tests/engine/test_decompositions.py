@@ -39,7 +39,7 @@ from lightning_ort.engine.fx.decompositions import (
     trilinear,
     weight_norm_interface_backward,
 )
-from lightning_ort.engine.fx.replacements import dropout, multi_head_attention
+from lightning_ort.engine.fx.replacements import attention, dropout, multi_head_attention
 from lightning_ort.options import ConvWeightGrad
 from tests.helpers import assert_grads_close
 
@@ -462,6 +462,44 @@ def test_batch_first_self_attention_matches_multihead_attention(masks: str) -> N
     (grads_expected,) = torch.autograd.grad(expected.square().sum(), x)
     (grads_actual,) = torch.autograd.grad(actual.square().sum(), x)
     torch.testing.assert_close(grads_actual, grads_expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "bool_with_an_empty_row", "float"])
+def test_attention_matches_sdpa_and_its_backward_selects_no_scores(mask: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, requires_grad=True) for _ in range(3))
+    keep = torch.rand(2, 1, 5, 5, generator=g) > 0.4
+    keep[..., 0] = True
+    if mask == "bool_with_an_empty_row":
+        keep[0, 0, 2] = False  # the math path's safe softmax gives zeros there, not NaNs
+    kwargs = {
+        "none": {},
+        "causal": {"is_causal": True},
+        "bool": {"attn_mask": keep},
+        "bool_with_an_empty_row": {"attn_mask": keep},
+        "float": {"attn_mask": torch.randn(2, 1, 5, 5, generator=g)},
+    }[mask]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    actual = attention(q, k, v, **kwargs)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(expected.shape, generator=g)
+    grads_expected = torch.autograd.grad(expected, (q, k, v), upstream)
+    grads_actual = torch.autograd.grad(actual, (q, k, v), upstream)
+    for ours, theirs in zip(grads_actual, grads_expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upstream: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(attention(q, k, v, **kwargs), (q, k, v), upstream)
+
+    graph = make_fx(step)(q, k, v, upstream).graph
+    scores = [2, 3, 5, 5]
+    selects = [
+        node
+        for node in graph.nodes
+        if node.target in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+        and list(node.meta["val"].shape) == scores
+    ]
+    assert not selects, "a mask is a bias added to the scores, not a selection of them or of their gradient"
 
 
 class _Doubled(torch.nn.Module):

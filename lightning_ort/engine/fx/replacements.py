@@ -36,9 +36,13 @@ def attention(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as PyTorch's math path computes it, with one difference in cost.
 
-    The math path always uses a "safe" softmax (rows whose scores are all ``-inf`` give zeros, not NaNs),
-    which costs a full-size select per attention. Without a mask, or with a causal one, no row can be fully
-    masked, so a plain softmax gives the same result; only an explicit mask gets the safe one.
+    Masks are added to the scores as a bias of ``0`` and ``-inf``, as the math path adds them: the sum's gradient
+    passes the scores' gradient through unchanged, where a ``masked_fill`` would select it again, full-size, in the
+    backward (the softmax's gradient is already zero where the mask removed a score). The bias has the mask's
+    shape, usually smaller than the scores'. The math path always uses a "safe" softmax (rows whose scores are
+    all ``-inf`` give zeros, not NaNs), which costs a full-size select per attention. Without a mask, or with a
+    causal one, no row can be fully masked, so a plain softmax gives the same result; only an explicit mask gets
+    the safe one.
 
     Example:
         >>> q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
@@ -55,16 +59,21 @@ def attention(
     scores = (query * factor) @ (key.transpose(-2, -1) * factor)
     if is_causal:
         causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores + _mask_bias(causal, scores.dtype)
     if attn_mask is not None:
         masked = attn_mask.dtype == torch.bool
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if masked else scores + attn_mask
+        scores = scores + (_mask_bias(attn_mask, scores.dtype) if masked else attn_mask)
         weights = aten._safe_softmax(scores, -1)
     else:
         weights = torch.softmax(scores, -1)
     if dropout_p > 0.0:
         weights = dropout(weights, dropout_p)
     return weights @ value
+
+
+def _mask_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as an additive bias: ``0`` where ``keep`` is true, ``-inf`` elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
 @torch.library.custom_op("lightning_ort::dropout_keep", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
