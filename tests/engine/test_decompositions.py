@@ -31,6 +31,7 @@ from lightning_ort.engine.fx.decompositions import (
     hardtanh_backward,
     max_pool2d_with_indices_backward,
     max_pool3d_with_indices_backward,
+    pow_tensor_scalar,
     reflection_pad2d_backward,
     replication_pad1d_backward,
     replication_pad2d_backward,
@@ -500,6 +501,23 @@ def test_attention_matches_sdpa_and_its_backward_selects_no_scores(mask: str) ->
         and list(node.meta["val"].shape) == scores
     ]
     assert not selects, "a mask is a bias added to the scores, not a selection of them or of their gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("exponent", [1, 1.0, 0.5, -0.5, -1])
+def test_cheap_powers_are_atens_bit_for_bit(exponent: float, dtype: torch.dtype) -> None:
+    special = [-2.0, -0.0, 0.0, 1e-30, 3.0, math.inf, -math.inf, math.nan]
+    x = torch.cat([torch.tensor(special), torch.randn(64, generator=torch.Generator().manual_seed(0))]).to(dtype)
+    ours, theirs = pow_tensor_scalar(x, exponent), x**exponent
+    assert ours.dtype == theirs.dtype
+    assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.signbit(), theirs.signbit())
+    assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+def test_other_powers_and_integer_tensors_stay_pow() -> None:
+    assert pow_tensor_scalar(torch.rand(3), 2.5) is NotImplemented
+    assert pow_tensor_scalar(torch.rand(3), 2) is NotImplemented
+    assert pow_tensor_scalar(torch.arange(3), 1) is NotImplemented
 
 
 class _Doubled(torch.nn.Module):

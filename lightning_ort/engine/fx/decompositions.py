@@ -29,6 +29,8 @@ Core ATen decompositions, plus:
 * ``torch.cdist``'s direct path (``_cdist_forward``, ``_cdist_backward``) as pairwise differences
   (:mod:`lightning_ort.engine.fx.distance`);
 * ``addmm`` over an empty inner dimension as ``beta * input`` (ONNX Runtime's ``Gemm`` drops ``beta`` there);
+* ``pow`` with the exponents 1, 0.5, -0.5 and -1 as the op ATen's kernel computes them with (ONNX Runtime's CPU
+  ``Pow`` calls ``std::pow`` per element; the gradient of ``x ** 2`` is ``2 * x ** 1``);
 * ``erfc``, ``special_erfcx`` and ``special_log_ndtr`` in forms that keep their relative precision in the tails
   (the ONNX translations compute ``1 - Erf(x)``, which cancels to 0, and overflow ``exp(x**2)``).
 
@@ -1171,6 +1173,38 @@ def copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
 
 
+def pow_tensor_scalar(input: torch.Tensor, exponent: float) -> Any:
+    """``input ** exponent`` for the exponents ATen's kernel computes with a cheaper op: ``1`` (a copy), ``0.5``
+    (``sqrt``), ``-0.5`` (``rsqrt``) and ``-1`` (``reciprocal``), as it does; other exponents and integer
+    tensors stay ``pow`` (``NotImplemented``).
+
+    ONNX Runtime's CPU ``Pow`` computes ``std::pow`` per element except for the exponents 2 and 3, about ten
+    times the cost of a product. ``pow(x, 1)`` is what the gradient of ``x ** 2`` computes (ATen's ``pow``
+    gradient is ``exponent * x ** (exponent - 1)``): a full-size ``Pow`` per RMSNorm in the backward graph of
+    Llama-style models, whose norms square their input.
+
+    Example:
+        >>> x = torch.rand(5) + 0.5
+        >>> [torch.equal(pow_tensor_scalar(x, e), x**e) for e in (1, 0.5, -0.5, -1)]
+        [True, True, True, True]
+        >>> pow_tensor_scalar(x, 2.5)
+        NotImplemented
+    """
+    if not input.is_floating_point() or isinstance(exponent, bool):
+        return NotImplemented
+    cheaper = _CHEAPER_POWERS.get(float(exponent)) if isinstance(exponent, (int, float)) else None
+    return NotImplemented if cheaper is None else cheaper(input)
+
+
+_CHEAPER_POWERS: dict[float, Callable[[torch.Tensor], torch.Tensor]] = {
+    1.0: aten.clone.default,
+    0.5: aten.sqrt.default,
+    -0.5: aten.rsqrt.default,
+    -1.0: aten.reciprocal.default,
+}
+"""The exponents :func:`pow_tensor_scalar` replaces, with the ATen op that computes each power."""
+
+
 _ERFC_POLYNOMIAL = (
     -1.26551223,
     1.00002368,
@@ -1255,8 +1289,9 @@ def capture_decompositions(
     With ``attention_path="torch"`` SDPA's fused forward stays whole, as its backward does: a decomposed forward
     does not give the backward kernel the softmax statistics it expects.
 
-    ``select_backward`` stays whole so that :mod:`lightning_ort.engine.fx.passes` can turn sums of them into
-    one ``stack``; the ONNX exporter decomposes any that remain. :func:`threshold_backward` and
+    ``select_backward`` and ``slice_backward`` stay whole so that :mod:`lightning_ort.engine.fx.passes` can turn
+    sums of them into one ``stack`` or ``cat`` (and a lone slice's gradient into a ``pad``); the ONNX exporter
+    decomposes any that remain. :func:`threshold_backward` and
     :func:`hardtanh_backward` replace ATen's exact ``Where`` on CPU only, where it pays: CUDA's ``Where`` kernel
     is not slower than a ``Mul``. The batch norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`)
     are CPU only too: they pay on CPU, and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below
@@ -1265,6 +1300,7 @@ def capture_decompositions(
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)
+    core.pop(aten.slice_backward.default, None)
     if attention_path == "torch":
         for op in FUSED_ATTENTION_FORWARD:
             core.pop(op, None)
@@ -1298,6 +1334,7 @@ def capture_decompositions(
         aten._cdist_forward.default: cdist_forward,
         aten._cdist_backward.default: cdist_backward,
         aten.copy.default: copy,
+        aten.pow.Tensor_Scalar: pow_tensor_scalar,
         aten.erfc.default: erfc,
         aten.special_erfcx.default: erfcx,
         aten.special_log_ndtr.default: log_ndtr,

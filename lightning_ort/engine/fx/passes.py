@@ -6,6 +6,11 @@ each rewrite sees a gradient together with the forward op it belongs to.
 * :func:`stack_select_gradients`: unpacking a tensor along a dimension (``q, k, v = proj``, ``unbind``)
   has, as gradient, one ``select_backward`` per piece (each a zero tensor of the full size with one slice
   filled in) summed together. Stacking the pieces' gradients builds the same tensor in one write.
+* :func:`join_slice_gradients`: a slice's gradient (``slice_backward``) is a zero tensor of the sliced tensor's
+  size with the slice filled in, which the ONNX export writes as a ``ScatterND`` between two transposes where the
+  slice runs along the last dimension. The gradients of slices that a sum adds together over adjacent ranges of
+  one dimension (``rotate_half`` of rotary embeddings: ``cat((-x2, x1))``) become one ``cat``, and any other
+  slice's gradient a zero ``pad`` of its gradient.
 * :func:`cancel_permutes`: a ``Linear``'s backward transposes the already transposed weight back
   (``t(t(W))``); saved for the backward graph, that identity permutation is a full copy of the weight.
 * :func:`reshape_dense_strides`: a channels-last model's pooled ``[N, C, 1, 1]`` features are restrided by an
@@ -19,6 +24,7 @@ each rewrite sees a gradient together with the forward op it belongs to.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -36,12 +42,15 @@ aten = torch.ops.aten
 def optimize_joint_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Apply every rewrite to ``gm`` in place and return it."""
     stacked = stack_select_gradients(gm)
+    joined = join_slice_gradients(gm)
     cancelled = cancel_permutes(gm)
     reshaped = reshape_dense_strides(gm)
-    if stacked or cancelled or reshaped:
+    if stacked or joined or cancelled or reshaped:
         log.debug(
-            "stacked %d sums of select_backward, cancelled %d permutations, made %d strided views reshapes",
+            "stacked %d sums of select_backward, joined or padded %d slice_backward, cancelled %d permutations, "
+            "made %d strided views reshapes",
             stacked,
+            joined,
             cancelled,
             reshaped,
         )
@@ -224,6 +233,175 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
         _erase_tree(gm.graph, node)
         replaced += 1
     return replaced
+
+
+def join_slice_gradients(gm: torch.fx.GraphModule) -> int:
+    """Replace the gradients of slices (``slice_backward``: zeros with the slice's gradient written in) by a
+    ``cat`` of those a sum adds over adjacent ranges of one dimension, and by a zero ``pad`` of the
+    gradient for the others.
+
+    Slices with a step other than 1, or over a dimension whose size or bounds are symbolic, keep
+    ``slice_backward``. Returns the number of ``slice_backward`` nodes replaced.
+
+    Example:
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> def rotation_grad(g):  # the gradient of cat((x[:, 2:], x[:, :2]), 1)
+        ...     first = aten.slice_backward(g[:, :2], [3, 4], 1, 2, 4, 1)
+        ...     return first + aten.slice_backward(g[:, 2:], [3, 4], 1, 0, 2, 1)
+        >>> gm = make_fx(rotation_grad, tracing_mode="fake")(torch.zeros(3, 4))
+        >>> join_slice_gradients(gm)
+        2
+        >>> _ = gm.recompile()
+        >>> [n.target for n in gm.graph.nodes if n.op == "call_function"][-1]
+        <OpOverload(op='aten.cat', overload='default')>
+        >>> gm(torch.arange(12.0).reshape(3, 4))[0].tolist()
+        [2.0, 3.0, 0.0, 1.0]
+    """
+    replaced = 0
+    roots = [
+        node
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        and node.target is aten.add.Tensor
+        and not (len(node.users) == 1 and next(iter(node.users)).target is aten.add.Tensor)
+    ]
+    for root in roots:
+        replaced += _join_summed_slices(gm.graph, root)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.slice_backward.default:
+            piece = _SliceGradient.of(node)
+            if piece is not None:
+                padded = _pad_to_size(gm.graph, node, piece.grad, piece.dim, piece.start, piece.size - piece.end)
+                node.replace_all_uses_with(padded)
+                gm.graph.erase_node(node)
+                replaced += 1
+    return replaced
+
+
+@dataclass(frozen=True)
+class _SliceGradient:
+    """One ``slice_backward(grad, sizes, dim, start, end, step)`` node with step 1 and static bounds."""
+
+    node: torch.fx.Node
+    grad: torch.fx.Node
+    dim: int
+    size: int
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, node: torch.fx.Node) -> _SliceGradient | None:
+        """The slice gradient's arguments, bounds clamped to the dimension, or ``None`` where ``node`` is no
+        ``slice_backward``, or its bounds are symbolic or its step is not 1."""
+        if node.target is not aten.slice_backward.default:
+            return None
+        grad, sizes, dim, start, end, step = node.args
+        if not isinstance(grad, torch.fx.Node) or not isinstance(sizes, (list, tuple)) or step != 1:
+            return None
+        if not isinstance(dim, int) or not all(isinstance(v, int) for v in (start, end)):
+            return None
+        dim %= len(sizes)
+        size = sizes[dim]
+        if not isinstance(size, int):
+            return None
+        assert isinstance(start, int) and isinstance(end, int)
+        start, end = (min(max(b + size if b < 0 else b, 0), size) for b in (start, end))
+        return cls(node, grad, dim, size, start, max(start, end))
+
+
+def _join_summed_slices(graph: torch.fx.Graph, root: torch.fx.Node) -> int:
+    """Join the slice gradients the ``add`` tree at ``root`` sums over adjacent ranges of one dimension into one
+    ``cat``; returns the number of ``slice_backward`` nodes replaced."""
+    leaves = _add_tree_leaves(root)
+    if any("val" not in leaf.meta for leaf in leaves):
+        return 0
+    slices = [piece for leaf in leaves if len(leaf.users) == 1 and (piece := _SliceGradient.of(leaf)) is not None]
+    if len(slices) < 2 or not all(_same_sizes(piece, slices[0]) for piece in slices[1:]):
+        return 0
+    slices.sort(key=lambda p: p.start)
+    if any(a.end != b.start for a, b in itertools.pairwise(slices)):
+        return 0
+    first, last = slices[0], slices[-1]
+    with graph.inserting_before(root):
+        joined = graph.call_function(aten.cat.default, ([p.grad for p in slices], first.dim))
+        values = [p.grad.meta["val"] for p in slices]
+        with _fake_mode_of(values):
+            joined.meta = {**root.meta, "val": torch.cat(values, first.dim)}
+        whole = _pad_to_size(graph, root, joined, first.dim, first.start, first.size - last.end)
+        total = whole
+        for leaf in leaves:
+            if leaf not in {p.node for p in slices}:
+                values = [total.meta["val"], leaf.meta["val"]]
+                total = graph.call_function(aten.add.Tensor, (total, leaf))
+                with _fake_mode_of(values):
+                    total.meta = {**root.meta, "val": aten.add.Tensor(*values)}
+    root.replace_all_uses_with(total)
+    _erase_add_tree(graph, root)
+    for piece in slices:
+        graph.erase_node(piece.node)
+    return len(slices)
+
+
+def _same_sizes(a: _SliceGradient, b: _SliceGradient) -> bool:
+    """Whether two slice gradients fill tensors of the same sizes along the same dimension: equal static sizes,
+    the same graph node for symbolic ones (compared without evaluating them, which would add guards)."""
+    sizes_a, sizes_b = a.node.args[1], b.node.args[1]
+    assert isinstance(sizes_a, (list, tuple)) and isinstance(sizes_b, (list, tuple))
+    same = len(sizes_a) == len(sizes_b) and all(
+        x is y or (isinstance(x, int) and isinstance(y, int) and x == y) for x, y in zip(sizes_a, sizes_b)
+    )
+    return same and a.dim == b.dim
+
+
+def _pad_to_size(
+    graph: torch.fx.Graph, anchor: torch.fx.Node, value: torch.fx.Node, dim: int, before: int, after: int
+) -> torch.fx.Node:
+    """``value`` with ``before`` zeros in front and ``after`` behind along ``dim``, inserted before ``anchor``."""
+    if not before and not after:
+        return value
+    val = value.meta["val"]
+    pad = [0, 0] * (val.dim() - 1 - dim) + [before, after]
+    with graph.inserting_before(anchor):
+        padded = graph.call_function(aten.constant_pad_nd.default, (value, pad, 0.0))
+    with _fake_mode_of([val]):
+        padded.meta = {**anchor.meta, "val": aten.constant_pad_nd.default(val, pad, 0.0)}
+    return padded
+
+
+def _add_tree_leaves(root: torch.fx.Node) -> list[torch.fx.Node]:
+    """The operands summed by the tree of single-use, two-operand ``add`` nodes rooted at ``root``."""
+    leaves: list[torch.fx.Node] = []
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        for arg in node.args:
+            if not isinstance(arg, torch.fx.Node):
+                continue
+            if arg.target is aten.add.Tensor and len(arg.users) == 1 and _plain_add(arg):
+                pending.append(arg)
+            else:
+                leaves.append(arg)
+    return leaves if _plain_add(root) else []
+
+
+def _plain_add(node: torch.fx.Node) -> bool:
+    """Whether ``node`` adds two computed tensors without scaling either.
+
+    Shapes are not compared: comparing symbolic sizes would add guards to the capture. A sum's terms may be
+    reordered whatever they broadcast to.
+    """
+    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return False
+    return all(isinstance(arg, torch.fx.Node) for arg in node.args)
+
+
+def _erase_add_tree(graph: torch.fx.Graph, root: torch.fx.Node) -> None:
+    """Erase ``root`` and the single-use ``add`` nodes under it (as :func:`_add_tree_leaves` walks them)."""
+    inner = [arg for arg in root.args if isinstance(arg, torch.fx.Node) and arg.target is aten.add.Tensor]
+    graph.erase_node(root)
+    for node in inner:
+        if not node.users and _plain_add(node):
+            _erase_add_tree(graph, node)
 
 
 @dataclass(frozen=True)
