@@ -826,9 +826,10 @@ def test_static_gpt2_graphs_hold_no_shape_computation_and_nothing_for_the_host_o
     debug = DebugOptions(save_onnx=True, onnx_prefix="gpt2", save_path=tmp_path)
     ORTModule(model, debug)(input_ids=ids, labels=ids).loss.backward()
     graphs = {path.stem: onnx.load(path) for path in tmp_path.glob("gpt2_*.onnx") if "optimized" not in path.stem}
-    assert set(graphs) == {"gpt2_training_forward", "gpt2_training_backward"}
+    # on CPU the embeddings' weight gradients run in PyTorch, after the backward graph's one partition
+    assert set(graphs) == {"gpt2_training_forward", "gpt2_training_backward_part0"}
     assert [node.split()[0] for node in cuda_host_nodes(graphs["gpt2_training_forward"])] == ["Pad"]
-    assert cuda_host_nodes(graphs["gpt2_training_backward"]) == []
+    assert cuda_host_nodes(graphs["gpt2_training_backward_part0"]) == []
     forward = graphs["gpt2_training_forward"]
     inputs = {value.name: _random_input(value) for value in forward.graph.input}
     expected = _run_all(forward, inputs)

@@ -119,8 +119,7 @@ def test_hugging_face_llama_rotates_and_squares_without_scatters_or_powers(tmp_p
     actual.backward()
     expected.backward()
     assert_grads_close(wrapped, eager)
-    (path,) = tmp_path.glob("llama*backward.onnx")
-    graph = onnx.load(path).graph
+    graph = onnx.load(tmp_path / "llama_training_backward_part0.onnx").graph  # the embedding's gradient apart
     ops = collections.Counter(node.op_type for node in graph.node)
     assert not ops["ScatterND"], "the rotations' gradients are concatenations"
     constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}

@@ -83,14 +83,21 @@ def attention_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 
 def weight_gradient_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """The convolution weight gradients of ``gm`` that its decomposition left to PyTorch's kernel, by name, each
-    with the reason it runs there.
+    """The weight gradients of ``gm`` that its decompositions left to PyTorch's kernels, by name, each with the
+    reason it runs there.
 
     :func:`~lightning_ort.engine.fx.decompositions.convolution_backward` leaves ``aten.convolution_backward``
     whole, asking for the weight gradient alone, where ``conv_weight_grad`` chooses PyTorch for a layer; any
     other ``convolution_backward`` (a transposed convolution's) is no request but an op ONNX cannot express.
     The casts of such a gradient to its parameter's dtype (autocast's ``bfloat16`` gradient of a float32 weight)
     run there too: in ONNX Runtime they would be a partition of their own after the gradients.
+
+    On CPU an embedding's weight gradient (``aten.embedding_dense_backward``, which
+    :func:`~lightning_ort.engine.fx.decompositions.capture_decompositions` keeps whole there) is PyTorch's: a
+    zero table with the tokens' gradients added at their rows. In ONNX Runtime it is a ``ScatterElements`` that
+    copies a zero input of the table's size before it adds (the vocabulary's table is the largest weight of a
+    language model). So are its casts, and a sum of it with the other gradient of a tied weight (a language
+    model's head) that the graph returns.
     """
     kept: dict[str, str] = {}
     for node in gm.graph.nodes:
@@ -103,7 +110,16 @@ def weight_gradient_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
             kept[node.name] = "conv_weight_grad keeps in PyTorch"
             gradients = [user for user in node.users if user.target is operator.getitem]
             kept |= {cast.name: kept[node.name] for grad in gradients for cast in grad.users if _is_cast(cast)}
+        elif node.op == "call_function" and node.target is aten.embedding_dense_backward.default:
+            reason = "embedding gradients on CPU run in PyTorch"
+            kept[node.name] = reason
+            kept |= {user.name: reason for user in node.users if _is_cast(user) or _returned_sum(user)}
     return kept
+
+
+def _returned_sum(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an ``add`` whose value the graph only returns."""
+    return node.target is aten.add.Tensor and all(user.op == "output" for user in node.users)
 
 
 def _is_cast(node: torch.fx.Node) -> bool:

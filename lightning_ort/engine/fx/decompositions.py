@@ -1296,7 +1296,9 @@ def capture_decompositions(
     is not slower than a ``Mul``. The batch norm forms (:func:`batch_norm_functional`, :func:`batch_norm_backward`)
     are CPU only too: they pay on CPU, and ONNX Runtime's cuDNN ``BatchNormalization`` raises an epsilon below
     1e-5 to 1e-5. So is :func:`~lightning_ort.engine.fx.scatter.index_put`, which keeps accumulating puts off
-    the CPU ``ScatterND`` kernel that loses sums between threads.
+    the CPU ``ScatterND`` kernel that loses sums between threads. On CPU ``embedding_dense_backward`` stays whole,
+    to run in PyTorch after the backward graph (see
+    :func:`~lightning_ort.engine.capture.partition.weight_gradient_nodes`).
     """
     core = core_aten_decompositions()
     core.pop(aten.select_backward.default, None)
@@ -1304,7 +1306,7 @@ def capture_decompositions(
     if attention_path == "torch":
         for op in FUSED_ATTENTION_FORWARD:
             core.pop(op, None)
-    return {
+    table = {
         **core,
         **get_decompositions(
             [
@@ -1346,6 +1348,9 @@ def capture_decompositions(
         **(_CPU_ONLY if device_type == "cpu" else {}),
         **(_CPU_KERNELS if device_type == "cpu" and cpu_kernels else {}),
     }
+    if device_type == "cpu":
+        table.pop(aten.embedding_dense_backward.default, None)
+    return table
 
 
 _CPU_KERNELS: dict[Any, Callable[..., Any]] = {

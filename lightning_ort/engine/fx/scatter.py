@@ -1,12 +1,12 @@
-"""Accumulating ``index_put`` on CPU as ``scatter_add``: embedding gradients that come out right on every run.
+"""Accumulating ``index_put`` on CPU as ``scatter_add``: gradients at indices that come out right on every run.
 
-``aten.index_put(self, indices, values, accumulate=True)`` is how PyTorch's decompositions add rows of
-gradients at token ids (an embedding's gradient, ``embedding_dense_backward``) or at advanced indices (the
-gradient of ``x[idx]``). The ONNX exporter translates it to ``ScatterND`` with ``reduction="add"``, whose CPU
-kernel in ONNX Runtime adds the rows on several threads without ordering them: where two threads add to the
-same row (the same token twice in a batch), one's sum is lost, and the gradient is wrong on some runs and right
-on others. :func:`index_put` writes the same sum as ``scatter_add`` over the rows, which exports to
-``ScatterElements`` with ``reduction="add"``, a kernel that adds in order.
+``aten.index_put(self, indices, values, accumulate=True)`` is how PyTorch's decompositions add rows of gradients at
+advanced indices (the gradient of ``x[idx]``), or at token ids (an embedding's gradient, which on CPU runs in
+PyTorch instead: see :func:`~lightning_ort.engine.capture.partition.weight_gradient_nodes`). The ONNX exporter
+translates it to ``ScatterND`` with ``reduction="add"``, whose CPU kernel in ONNX Runtime adds the rows on several
+threads without ordering them: where two threads add to the same row (the same index twice), one's sum is lost, and
+the gradient is wrong on some runs and right on others. :func:`index_put` writes the same sum as ``scatter_add``
+over the rows, which exports to ``ScatterElements`` with ``reduction="add"``, a kernel that adds in order.
 """
 
 from __future__ import annotations
