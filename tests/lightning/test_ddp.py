@@ -62,9 +62,10 @@ def test_ort_ddp_matches_plain_ddp_and_ranks_agree(tmp_path: Path) -> None:
 
     for record in ort:
         assert set(record["wrapped"]) == {"embed", "net", "head"}, "every rank wraps the same submodules"
-        # The encoder `net` is its two layers' block graph, run twice a step; embed and head one graph each.
+        # The encoder `net` is its two layers' block graph, run twice a step; embed and head one graph each. On
+        # CPU an embedding's weight gradient is PyTorch's: embed's backward graph has no ONNX Runtime part.
         runs = {name: (stats["forward_runs"], stats["backward_runs"]) for name, stats in record["wrapped"].items()}
-        assert runs == {"embed": (6, 6), "net": (12, 12), "head": (6, 6)}, "ORT ran both passes on each rank"
+        assert runs == {"embed": (6, 0), "net": (12, 12), "head": (6, 6)}, "ORT ran both passes on each rank"
         assert record["wrapped"]["net"]["block_graphs"] == 2
         metrics = record["metrics"]
         assert metrics["ort/export_seconds"] > 0
@@ -83,19 +84,20 @@ def test_ranks_share_a_cache_dir_and_a_restart_exports_nothing(tmp_path: Path) -
     first = _run("ort_ddp", tmp_path / "first", cache_dir=cache, profile=tmp_path / "profiles", export=deploy)
     profiles = sorted(p.name.rsplit("_", 3)[0] for p in (tmp_path / "profiles").glob("*.json"))
     graphs = {
-        "embed": ("backward", "forward"),
+        "embed": ("forward",),  # its backward, the embedding's weight gradient, is PyTorch's on CPU
         "head": ("backward", "forward"),
         "net": ("backward_block0", "forward_block0"),
     }
     expected = [f"{m}_{g}_profile_rank{r}" for m in graphs for g in graphs[m] for r in (0, 1)]
     assert profiles == expected, "every rank writes its own profile of every graph at the end of fit"
     files = sorted(cache.glob("*.ortgraph"))
-    assert len(files) == 6, "forward and backward graphs of 3 modules, written once whichever rank finished first"
+    assert len(files) == 5, "forward graphs of 3 modules, backward graphs of 2, written once whichever rank finished"
     assert not list(cache.glob("*.tmp"))
     restart = _run("ort_ddp", tmp_path / "restart", cache_dir=cache)
     for record in restart:
         for name, stats in record["wrapped"].items():
-            assert stats["onnx_exports"] == 0 and stats["disk_cache_loads"] == 2, (record["rank"], name, stats)
+            loads = 1 if name == "embed" else 2
+            assert stats["onnx_exports"] == 0 and stats["disk_cache_loads"] == loads, (record["rank"], name, stats)
     assert restart[0]["losses"] == first[0]["losses"]
     assert sorted(cache.glob("*.ortgraph")) == files
 
