@@ -238,3 +238,19 @@ def assert_fp64_accuracy(
     perturbed = [values[f"perturbed{i}"] for i in range(perturbations)]
     drift = float64_drift(names, values["ort"], values["eager"], values["float64"], perturbed)
     assert not drift, drift
+
+
+def tiny_llama() -> torch.nn.Module:
+    """Hugging Face ``LlamaForCausalLM`` with 2 layers of width 64, 4 heads over 2 key-value heads, 128 tokens."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)

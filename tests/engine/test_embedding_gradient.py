@@ -19,22 +19,9 @@ import torch
 from torch import nn
 
 from lightning_ort import DebugOptions, ORTModule
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_grads_close, tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-
-def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 def _gpt2() -> nn.Module:
@@ -43,7 +30,7 @@ def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("factory", [_llama, _gpt2], ids=["llama", "gpt2-tied-head"])
+@pytest.mark.parametrize("factory", [tiny_llama, _gpt2], ids=["llama", "gpt2-tied-head"])
 def test_language_models_train_as_eager_with_the_table_gradient_in_pytorch(
     factory: Callable[[], nn.Module], tmp_path: Path
 ) -> None:

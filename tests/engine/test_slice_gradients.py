@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from torch import nn
 
 from lightning_ort import DebugOptions, ORTModule
-from tests.helpers import assert_grads_close
+from tests.helpers import assert_grads_close, tiny_llama
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -94,18 +94,9 @@ def test_strided_slices_keep_their_gradient_and_train_as_eager() -> None:
 
 
 def test_hugging_face_llama_rotates_and_squares_without_scatters_or_powers(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    eager = transformers.LlamaForCausalLM(config)
+    eager = tiny_llama()
     wrapped = ORTModule(
         copy.deepcopy(eager), debug_options=DebugOptions(save_onnx=True, onnx_prefix=str(tmp_path / "llama"))
     )

@@ -212,9 +212,11 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
             continue
         if any(user.target is aten.add.Tensor and len(node.users) == 1 for user in node.users):
             continue
-        leaves = _select_backward_leaves(node)
-        pieces = [piece for leaf in leaves or [] if (piece := _SelectGradient.of(leaf)) is not None]
-        if not pieces or len(pieces) != len(leaves or []):
+        leaves = _add_tree_leaves(node)
+        if not all(leaf.target is aten.select_backward.default and len(leaf.users) == 1 for leaf in leaves):
+            continue
+        pieces = [piece for leaf in leaves if (piece := _SelectGradient.of(leaf)) is not None]
+        if not pieces or len(pieces) != len(leaves):
             continue
         sizes, dim = pieces[0].sizes, pieces[0].dim
         count = sizes[dim]
@@ -230,7 +232,9 @@ def stack_select_gradients(gm: torch.fx.GraphModule) -> int:
         with _fake_mode_of(values):
             stacked.meta = {**node.meta, "val": torch.stack(values, dim)}
         node.replace_all_uses_with(stacked)
-        _erase_tree(gm.graph, node)
+        _erase_add_tree(gm.graph, node)
+        for leaf in leaves:
+            gm.graph.erase_node(leaf)
         replaced += 1
     return replaced
 
@@ -423,36 +427,6 @@ class _SelectGradient:
             return None
         parts = tuple(size for size in sizes if isinstance(size, (int, torch.fx.Node)))
         return cls(grad, parts, dim % len(sizes), index) if len(parts) == len(sizes) else None
-
-
-def _select_backward_leaves(root: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The ``select_backward`` nodes summed by the tree of ``add`` nodes rooted at ``root``, or ``None``."""
-    leaves: list[torch.fx.Node] = []
-    pending = [root]
-    while pending:
-        node = pending.pop()
-        if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
-            return None
-        for arg in node.args:
-            if not isinstance(arg, torch.fx.Node) or len(arg.users) != 1:
-                return None
-            if arg.target is aten.add.Tensor:
-                pending.append(arg)
-            elif arg.target is aten.select_backward.default:
-                leaves.append(arg)
-            else:
-                return None
-    return leaves
-
-
-def _erase_tree(graph: torch.fx.Graph, root: torch.fx.Node) -> None:
-    operands = [arg for arg in root.args if isinstance(arg, torch.fx.Node)]
-    graph.erase_node(root)
-    for operand in operands:
-        if operand.target is aten.add.Tensor:
-            _erase_tree(graph, operand)
-        else:
-            graph.erase_node(operand)
 
 
 def move_saved_permutes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, saved_from: int) -> int:
