@@ -45,6 +45,7 @@ from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
 from lightning_ort.engine.fx.gelu import gelus
 from lightning_ort.engine.fx.group_norm import group_norms
 from lightning_ort.engine.fx.layer_norm import layer_norms
+from lightning_ort.engine.fx.layout import GRADIENT_STRIDES, GradientStrides, gradient_strides
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
@@ -232,7 +233,7 @@ class CapturedGraph:
         return static.compile()
 
     def _graph_compiler(self, kind: str) -> AOTDispatchCompiler:
-        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner:
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRunner | GradientStrides:
             name = self._names.name(self._tag, kind)
             start = time.perf_counter()
             with torch.random.fork_rng(devices=_rng_devices(self._device)), self._build_log.timed("export_seconds"):
@@ -251,7 +252,8 @@ class CapturedGraph:
                 runner.providers,
             )
             self.runners.append((kind, runner))
-            return runner
+            strides = gm.meta.get(GRADIENT_STRIDES)
+            return GradientStrides(runner, strides) if strides else runner
 
         return compile_graph
 
@@ -312,6 +314,8 @@ def _partition(
     log.debug("%d saved permuted views moved to the backward graph", moved)
     forward.meta[VIEWS_FROM] = saved_from
     backward.meta[VIEWS_FROM] = 0
+    primals = joint_inputs[0] if len(joint_inputs) == 2 else ()
+    backward.meta[GRADIENT_STRIDES] = gradient_strides(primals if isinstance(primals, (list, tuple)) else (), backward)
     return forward, backward
 
 

@@ -4,12 +4,15 @@ ONNX drops ``None`` gradients and needs unique output names, and ONNX Runtime wo
 one of the graph's inputs or a reshape of another value. :func:`normalise_outputs` keeps only the tensor
 outputs ONNX Runtime must compute, once each; :class:`OutputLayout` puts every FX output back in its place
 after a run: ONNX outputs, inputs passed through, reshapes of either, and size expressions.
+:class:`GradientStrides` gives a backward graph's gradients their parameters' strides where those differ from
+row-major ones on dimensions of size 1 only.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -164,3 +167,74 @@ def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
+
+
+GRADIENT_STRIDES = "lightning_ort_gradient_strides"
+"""``GraphModule.meta`` key of a backward graph: :func:`gradient_strides` of its outputs."""
+
+
+def gradient_strides(primals: Sequence[Any], backward: torch.fx.GraphModule) -> dict[int, tuple[int, ...]]:
+    """The backward graph's gradients whose parameters' strides differ from row-major ones on dimensions of size 1
+    only: output index -> the parameter's strides (static shapes).
+
+    The backward graph returns one gradient per forward input (``primals``, in order). PyTorch gives a gradient
+    its parameter's strides; a channels-last model's 1x1 and depthwise convolution weights (``[64, 32, 1, 1]``
+    with strides ``(32, 1, 32, 32)``) differ from row-major ones on a dimension of size 1 only, so autograd takes
+    ONNX Runtime's row-major gradient as it is, and DDP, which compares a gradient's strides with its bucket's,
+    warns that they do not match and copies the gradient on every step.
+
+    Example:
+        >>> graph = torch.fx.Graph()
+        >>> grad = graph.placeholder("grad")
+        >>> grad.meta["val"] = torch.empty(4, 8, 1, 1)
+        >>> _ = graph.output((grad, None))
+        >>> weight = torch.empty(4, 8, 1, 1).to(memory_format=torch.channels_last)
+        >>> gradient_strides([weight, torch.empty(3)], torch.fx.GraphModule({}, graph))
+        {0: (8, 1, 8, 8)}
+    """
+    output = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+    grads = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    if len(grads) != len(primals):
+        return {}
+    strides: dict[int, tuple[int, ...]] = {}
+    for index, (primal, grad) in enumerate(zip(primals, grads)):
+        if not (isinstance(primal, torch.Tensor) and isinstance(grad, torch.fx.Node)):
+            continue
+        value = grad.meta.get("val")
+        shape, stride = tuple(primal.shape), tuple(primal.stride())
+        if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape):
+            continue
+        if not all(type(size) is int for size in (*shape, *stride)):
+            continue
+        row_major = tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
+        if stride != row_major and all(n == 1 or s == r for n, s, r in zip(shape, stride, row_major)):
+            strides[index] = stride
+    return strides
+
+
+class GradientStrides:
+    """Runs a backward graph and gives the gradients of :func:`gradient_strides` their parameters' strides, each a
+    tensor of its own over the memory the graph wrote (no copy).
+
+    Called like the runner it wraps (AOTAutograd's boxed convention).
+
+    Args:
+        runner: the backward graph's runner.
+        strides: output index -> strides.
+    """
+
+    def __init__(self, runner: Callable[[list[Any]], list[Any]], strides: dict[int, tuple[int, ...]]) -> None:
+        # An instance attribute, so that TorchDynamo's wrapper around backward graphs copies it (functools.wraps).
+        self._boxed_call = True
+        self._runner = runner
+        self._strides = strides
+
+    def __call__(self, args: list[Any]) -> list[Any]:
+        outputs = list(self._runner(args))
+        for index, stride in self._strides.items():
+            grad = outputs[index]
+            if isinstance(grad, torch.Tensor) and grad.is_contiguous() and grad.stride() != stride:
+                outputs[index] = grad.new_empty((0,)).set_(
+                    grad.untyped_storage(), grad.storage_offset(), grad.shape, stride
+                )
+        return outputs
