@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -233,6 +234,40 @@ def test_precision_runs_every_runtime_under_autocast(
     assert workload.max_abs_loss_diff_ort < 1e-2  # eager and ORT under the same autocast
     assert "Cast" in {op.op_type for op in report.profiles[0].profile.ops}, "autocast's casts run in the graphs"
     assert f"{precision}; median of 2 steps" in capsys.readouterr().out
+
+
+def test_memory_format_channels_last_converts_the_models_inputs_and_memory_probes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    probed: list[tuple[str, ...]] = []
+
+    def peaks(spec: str, runtimes: list[str], *settings: object) -> dict[str, float]:
+        probed.append(tuple(map(str, settings)))
+        return dict.fromkeys(runtimes, 1.0)
+
+    monkeypatch.setattr(bench, "peak_memory_mib", peaks)
+    layouts: list[tuple[bool, bool]] = []
+    warmed = bench.warmed_runner
+
+    def recording(name: str, workload: bench_workloads.Workload, *rest: Any) -> Any:
+        (images,) = workload.inputs
+        weight = next(p for p in workload.model.parameters() if p.dim() == 4)
+        layouts.append(
+            (
+                images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous(),
+                weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous(),
+            )
+        )
+        return warmed(name, workload, *rest)
+
+    monkeypatch.setattr(bench, "warmed_runner", recording)
+    args = ["--workload", "cnn", "--runtime", "ort", "--steps", "1", "--warmup", "0", "--no-lightning"]
+    report = bench.main([*args, "--memory-format", "channels_last"])
+    assert layouts == [(True, True), (True, True)], "eager and ORTModule both on channels-last tensors"
+    assert probed == [("cpu", "fp32", "channels_last")], "the memory probes build the same workload"
+    (workload,) = report.workloads
+    assert workload.runtimes["ort"].pytorch_fallback == "" and workload.max_abs_loss_diff_ort < 1e-4
+    assert "fp32; channels_last; median of 1 steps" in capsys.readouterr().out
 
 
 def test_gpt2_workload_is_hugging_face_defaults_with_its_own_loss() -> None:

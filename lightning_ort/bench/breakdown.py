@@ -182,12 +182,14 @@ class BreakdownReport(Report):
     runs: list[StepBreakdown] = field(default_factory=list)
     workload: str = ""
     precision: str = "fp32"
+    memory_format: str = "contiguous"
 
     @override
     def conditions(self) -> list[str]:
         return [
             self.workload,
             self.precision,
+            *([self.memory_format] if self.memory_format != "contiguous" else []),
             *super().conditions(),
             f"counts from torch.profiler over {PROFILED_STEPS} more steps",
         ]

@@ -45,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     memory.add_argument("--runtime", type=runtime_name, required=True)
     memory.add_argument("--device", default="cpu")
     memory.add_argument("--precision", default="fp32")
+    memory.add_argument("--memory-format", default="contiguous")
     args = parser.parse_args(argv)
     measured: dict[str, Any]
     if args.kind == "depth":
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     else:
         device = torch.device(args.device)
         names, modules = ([args.workload], []) if args.workload in WORKLOADS else ([], [args.workload])
-        (workload,) = build_workloads(names, modules, device)
+        (workload,) = build_workloads(names, modules, device, args.memory_format)
         measured = {"peak_mib": memory_probe(workload, args.runtime, device, args.precision)}
     print(json.dumps(measured))
     return measured

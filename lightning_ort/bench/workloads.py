@@ -42,6 +42,8 @@ class Workload:
     inputs: tuple[torch.Tensor, ...]
     loss_fn: Callable[[Any], torch.Tensor]
     kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
+    memory_format: str = "contiguous"
+    """``"channels_last"`` where the model and its 4-D inputs were converted to it (the bench's ``--memory-format``)."""
 
     def forward(self, model: nn.Module) -> Any:
         """``model``'s output on this workload's batch."""
