@@ -615,9 +615,7 @@ def channels_last(workload: Workload) -> Workload:
     def converted(value: torch.Tensor) -> torch.Tensor:
         return value.contiguous(memory_format=torch.channels_last) if value.dim() == 4 else value
 
-    for tensor in [*workload.model.parameters(), *workload.model.buffers()]:
-        if tensor.dim() == 4:
-            tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
+    cast(Any, workload.model).to(memory_format=torch.channels_last)  # torch's stubs omit memory_format
     return dataclasses.replace(
         workload,
         inputs=tuple(converted(value) for value in workload.inputs),
@@ -626,13 +624,14 @@ def channels_last(workload: Workload) -> Workload:
     )
 
 
-MEMORY_FORMAT_ARGS = ("--memory-format",)
-MEMORY_FORMAT_OPTIONS: dict[str, Any] = {
-    "choices": ("contiguous", "channels_last"),
-    "default": "contiguous",
-    "help": "channels_last: the models and their 4-D inputs in channels-last memory format, for every runtime "
-    "(default contiguous)",
-}
+def _add_memory_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory-format",
+        choices=("contiguous", "channels_last"),
+        default="contiguous",
+        help="channels_last: the models and their 4-D inputs in channels-last memory format, for every runtime "
+        "(default contiguous)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -687,7 +686,7 @@ def _parser() -> argparse.ArgumentParser:
         help="fp32, or torch.autocast to bf16 or fp16 (fp16 with a GradScaler) (default fp32)",
     )
     run.add_argument("--module", action="append", default=[], help="your own workload: package.module:factory")
-    run.add_argument(*MEMORY_FORMAT_ARGS, **MEMORY_FORMAT_OPTIONS)
+    _add_memory_format(run)
     run.add_argument(
         "--warm-inductor-cache",
         action="store_true",
@@ -763,7 +762,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     breakdown.add_argument("--workload", choices=sorted(WORKLOADS), default="transformer", help="default: transformer")
     breakdown.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="as for run (default fp32)")
-    breakdown.add_argument(*MEMORY_FORMAT_ARGS, **MEMORY_FORMAT_OPTIONS)
+    _add_memory_format(breakdown)
     breakdown.add_argument(
         "--top", type=int, default=TOP, help=f"host operations and device kernels listed per runtime (default {TOP})"
     )

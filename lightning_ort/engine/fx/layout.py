@@ -169,6 +169,20 @@ def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
 
 
+def row_major(size: object, stride: object) -> bool:
+    """Whether ``stride`` (static) is the row-major layout of ``size``, ignoring the stride of size-1 dimensions."""
+    if not isinstance(size, (list, tuple)) or not isinstance(stride, (list, tuple)) or len(size) != len(stride):
+        return False
+    if not all(isinstance(value, int) for value in (*size, *stride)):
+        return False
+    expected = 1
+    for extent, step in zip(reversed(size), reversed(stride), strict=True):
+        if extent != 1 and step != expected:
+            return False
+        expected *= extent
+    return True
+
+
 GRADIENT_STRIDES = "lightning_ort_gradient_strides"
 """``GraphModule.meta`` key of a backward graph: :func:`gradient_strides` of its outputs."""
 
@@ -202,12 +216,9 @@ def gradient_strides(primals: Sequence[Any], backward: torch.fx.GraphModule) -> 
             continue
         value = grad.meta.get("val")
         shape, stride = tuple(primal.shape), tuple(primal.stride())
-        if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape):
+        if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape and row_major(shape, stride)):
             continue
-        if not all(type(size) is int for size in (*shape, *stride)):
-            continue
-        row_major = tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
-        if stride != row_major and all(n == 1 or s == r for n, s, r in zip(shape, stride, row_major)):
+        if stride != tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape))):
             strides[index] = stride
     return strides
 

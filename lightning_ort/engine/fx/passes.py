@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from lightning_ort.engine.fx.layout import row_major
 from lightning_ort.engine.torch_internals import detect_fake_mode
 from lightning_ort.logs import get_logger
 
@@ -94,7 +95,7 @@ def reshape_dense_strides(gm: torch.fx.GraphModule) -> int:
         layout = node.args[2:] if scatter else node.args[1:]
         size, stride = layout[0], layout[1]
         offset = layout[2] if len(layout) > 2 else node.kwargs.get("storage_offset")
-        if not isinstance(base, torch.fx.Node) or offset not in (0, None) or not _row_major(size, stride):
+        if not isinstance(base, torch.fx.Node) or offset not in (0, None) or not row_major(size, stride):
             continue
         base_value = base.meta.get("val")
         if not isinstance(base_value, torch.Tensor) or not all(isinstance(d, int) for d in base_value.shape):
@@ -123,20 +124,6 @@ def reshape_dense_strides(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(base)
         replaced += 1
     return replaced
-
-
-def _row_major(size: object, stride: object) -> bool:
-    """Whether ``stride`` (static) is the row-major layout of ``size``, ignoring the stride of size-1 dimensions."""
-    if not isinstance(size, (list, tuple)) or not isinstance(stride, (list, tuple)) or len(size) != len(stride):
-        return False
-    if not all(isinstance(value, int) for value in (*size, *stride)):
-        return False
-    expected = 1
-    for extent, step in zip(reversed(size), reversed(stride), strict=True):
-        if extent != 1 and step != expected:
-            return False
-        expected *= extent
-    return True
 
 
 def _fake_mode_of(values: list[torch.Tensor]) -> contextlib.AbstractContextManager[object]:
