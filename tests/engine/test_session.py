@@ -26,6 +26,7 @@ from lightning_ort.engine.fx.noise import Noise
 from lightning_ort.engine.onnx.constant_outputs import constant_output_positions, split_constant_outputs
 from lightning_ort.engine.onnx.export import ExportedGraph
 from lightning_ort.engine.onnx.passes import nchwc_block_size
+from tests.helpers import tiny_llama
 from tests.zoo import MLP
 
 
@@ -194,6 +195,42 @@ def test_views_of_one_base_are_returned_as_tensors_of_their_own() -> None:
     assert isinstance(first, int) and isinstance(second, int) and first != second
     assert isinstance(third, ReshapedOutput)
     assert [spec.shape for spec in specs] == [(4,), (2, 2), (2, 2)]
+
+
+def test_a_forward_graphs_saved_tensors_share_the_value_they_view() -> None:
+    # Only the backward graph reads saved tensors; ONNX Runtime would copy each further view into an output.
+    def forward(a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b = a * 2
+        return a + 1, b.view(4), b.view(2, 2), b.expand(2, 2)
+
+    gm = make_fx(forward)(torch.randn(2, 2))
+    layout, specs = normalise_outputs(gm, 1)
+    assert layout.sources == (0, ReshapedOutput(1, (4,)), ReshapedOutput(1, (2, 2)), ReshapedOutput(1, (2, 2)))
+    assert [spec.shape for spec in specs] == [(2, 2), (2, 2)]
+
+    def mixed(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = a * 2
+        return b.view(4), b.view(2, 2)
+
+    layout, specs = normalise_outputs(make_fx(mixed)(torch.randn(2, 2)), 1)
+    assert layout.sources == (0, 1), "a user's output, which may be updated in place, shares no memory"
+    assert [spec.shape for spec in specs] == [(4,), (2, 2)]
+
+
+def test_a_decoders_saved_attention_operands_leave_onnx_runtime_without_copies() -> None:
+    # Llama's attention saves its matmuls' operands, which are expands to their own shape, and one normalized
+    # hidden state per projection: each was a graph output of its own, copied by an Identity or a Reshape.
+    torch.manual_seed(0)
+    eager = tiny_llama()
+    wrapped = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 128, (2, 16))
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    eager(input_ids=ids, labels=ids).loss.backward()
+    graph = _forward_graph(wrapped).model.graph
+    producers = {output: node.op_type for node in graph.node for output in node.output}
+    copies = [o.name for o in graph.output if producers.get(o.name) in ("Identity", "Reshape")]
+    assert not copies, copies
+    _assert_grads_match(wrapped, eager)
 
 
 def test_a_users_output_that_reshapes_a_computed_value_is_that_values_memory_as_a_tensor_of_its_own() -> None:

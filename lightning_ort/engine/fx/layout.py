@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import sympy
 import torch
@@ -97,9 +97,11 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
 
     Outputs from index ``views_from`` on that reshape another value are returned as views of it (see
     :class:`ReshapedOutput`) where nothing else returns that value or another view of it: two gradients sharing
-    one buffer would each see the other's in-place updates. An output before ``views_from`` that reshapes a value
-    ONNX Runtime computes and no other output returns or reshapes becomes a tensor of its own over that value's
-    memory.
+    one buffer would each see the other's in-place updates. A forward graph's saved tensors (``views_from`` > 0),
+    which only the backward graph reads, may all view one value: ONNX Runtime would copy each further view (a
+    decoder's normalized hidden states, saved once for each projection that reads them). An output before
+    ``views_from`` that reshapes a value ONNX Runtime computes and no other output returns or reshapes becomes a
+    tensor of its own over that value's memory.
     """
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = output_node.args[0]
@@ -108,7 +110,9 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
     computed = [v for v in values if isinstance(v, torch.fx.Node) and v.op != "placeholder"]
     own_tensor = set(values[:views_from] if views_from is not None else values)
     bases = [_reshape_base(v) if isinstance(v, torch.fx.Node) else None for v in values]
-    shared = Counter(base for base in bases if base is not None)
+    saved = range(views_from, len(values)) if views_from else range(0)
+    shared = Counter(base for i, base in enumerate(bases) if base is not None and i not in saved)
+    shared.update({base for i, base in enumerate(bases) if base is not None and i in saved})
     returned = set(own_tensor) | {base for base, views in shared.items() if views > 1}
     in_values = {value for value in values if isinstance(value, torch.fx.Node)}
     unique: list[torch.fx.Node] = []
@@ -158,12 +162,22 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
 def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor that ``node`` reshapes (through a chain of reshapes), or ``None`` if it is no reshape.
 
-    ONNX outputs and the inputs bound to ONNX Runtime are contiguous, so a view of the base always exists.
+    An ``expand`` to its input's own shape counts as one (Hugging Face's ``repeat_kv`` with one query head per
+    key-value head). ONNX outputs and the inputs bound to ONNX Runtime are contiguous, so a view of the base
+    always exists.
     """
     base = node
-    while base.op == "call_function" and base.target in _RESHAPES and isinstance(base.args[0], torch.fx.Node):
-        base = base.args[0]
+    while _is_reshape(base):
+        base = cast(torch.fx.Node, base.args[0])
     return None if base is node else base
+
+
+def _is_reshape(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.target is aten.expand.default:
+        return symbolic_shape(node.meta["val"].shape) == symbolic_shape(node.args[0].meta["val"].shape)
+    return node.target in _RESHAPES
 
 
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
