@@ -162,9 +162,9 @@ def normalise_outputs(gm: torch.fx.GraphModule, views_from: int | None) -> tuple
 def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor that ``node`` reshapes (through a chain of reshapes), or ``None`` if it is no reshape.
 
-    An ``expand`` to its input's own shape counts as one (Hugging Face's ``repeat_kv`` with one query head per
-    key-value head). ONNX outputs and the inputs bound to ONNX Runtime are contiguous, so a view of the base
-    always exists.
+    An ``expand`` to its input's own shape counts as one (a batched matmul's operand, which ATen expands to the
+    batch shape it already has, and attention saves for its backward). ONNX outputs and the inputs bound to ONNX
+    Runtime are contiguous, so a view of the base always exists.
     """
     base = node
     while _is_reshape(base):
@@ -173,10 +173,13 @@ def _reshape_base(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _is_reshape(node: torch.fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return False
     if node.target is aten.expand.default:
-        return symbolic_shape(node.meta["val"].shape) == symbolic_shape(node.args[0].meta["val"].shape)
+        value, source = node.meta.get("val"), node.args[0].meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(source, torch.Tensor):
+            return False
+        return symbolic_shape(value.shape) == symbolic_shape(source.shape)
     return node.target in _RESHAPES
 
 
