@@ -81,7 +81,7 @@ def _place(
         base = _place(source.base, onnx_outputs, inputs, env)
         shape = tuple(evaluate(size, env) for size in source.shape)
         if source.own:
-            return base.new_empty((0,)).set_(base.untyped_storage(), base.storage_offset(), shape)
+            return _tensor_over(base, shape)
         return base.view(shape)
     return evaluate(source, env)
 
@@ -200,6 +200,17 @@ def row_major(size: object, stride: object) -> bool:
     return True
 
 
+def _tensor_over(base: torch.Tensor, shape: Sequence[int], stride: Sequence[int] | None = None) -> torch.Tensor:
+    """A tensor of its own (no ``_base``) over ``base``'s memory with ``shape`` and ``stride`` (row-major if
+    ``None``): what a graph output would have been, without copying the memory ONNX Runtime wrote."""
+    layout = _row_major_strides(shape) if stride is None else stride
+    return base.new_empty((0,)).set_(base.untyped_storage(), base.storage_offset(), shape, layout)
+
+
+def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
+
+
 GRADIENT_STRIDES = "lightning_ort_gradient_strides"
 """``GraphModule.meta`` key of a backward graph: :func:`gradient_strides` of its outputs."""
 
@@ -235,7 +246,7 @@ def gradient_strides(primals: Sequence[Any], backward: torch.fx.GraphModule) -> 
         shape, stride = tuple(primal.shape), tuple(primal.stride())
         if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape and row_major(shape, stride)):
             continue
-        if stride != tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape))):
+        if stride != _row_major_strides(shape):
             strides[index] = stride
     return strides
 
@@ -262,7 +273,5 @@ class GradientStrides:
         for index, stride in self._strides.items():
             grad = outputs[index]
             if isinstance(grad, torch.Tensor) and grad.is_contiguous() and grad.stride() != stride:
-                outputs[index] = grad.new_empty((0,)).set_(
-                    grad.untyped_storage(), grad.storage_offset(), grad.shape, stride
-                )
+                outputs[index] = _tensor_over(grad, grad.shape, stride)
         return outputs
