@@ -934,3 +934,49 @@ def test_channels_last_transposes_fold_into_nchwc_reorders(saved: bool) -> None:
     assert transposes == ([["y"]] if saved else []), "a ReorderOutput another node reads keeps its NCHW output"
     for ours, theirs in zip(_run_all(model, feeds), expected, strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@needs_nchwc
+@pytest.mark.parametrize("convolved", [False, True], ids=["alone", "read-by-a-convolution"])
+def test_an_nchw_tensors_channels_last_copy_is_written_from_its_nchwc_form(convolved: bool) -> None:
+    # ONNX Runtime's Transpose moves a float at a time on one thread; the NCHWc reorders are threaded. A tensor an
+    # NCHWc convolution reads is already blocked (its ReorderInput comes after the Transpose here), and one that
+    # none reads is blocked for the purpose.
+    nchwc = "com.microsoft.nchwc"
+    nodes = [helper.make_node("Transpose", ["x"], ["x_last"], perm=[0, 2, 3, 1])]
+    if convolved:
+        nodes += [
+            helper.make_node("ReorderInput", ["x"], ["xb"], domain=nchwc),
+            helper.make_node("ReorderOutput", ["xb"], ["y"], domain=nchwc, channels=12),
+        ]
+    outputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ["x_last", *(["y"] * convolved)]
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12, 5, 6])], outputs
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(nchwc, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    x = np.random.default_rng(0).standard_normal((2, 12, 5, 6), dtype=np.float32)
+    assert fold_channels_last_transposes(model) == 1
+    ops = [n.op_type for n in model.graph.node]
+    assert "Transpose" not in ops and ops.count("ReorderInput") == 1, ops
+    (reorder,) = [n for n in model.graph.node if n.output[0] == "x_last"]
+    assert reorder.op_type == "ReorderOutput" and helper.get_attribute_value(reorder.attribute[-1]) == 1
+    ours = _run_all(model, {"x": x})
+    np.testing.assert_array_equal(ours[0], x.transpose(0, 2, 3, 1))
+    if convolved:
+        np.testing.assert_array_equal(ours[1], x)
+
+
+def test_a_transpose_of_channels_the_reorders_cannot_take_stays() -> None:
+    nodes = [helper.make_node("Transpose", ["x"], ["x_last"], perm=[0, 2, 3, 1])]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5, 6])],  # RGB images: 3 channels
+        [helper.make_tensor_value_info("x_last", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert fold_channels_last_transposes(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["Transpose"]
