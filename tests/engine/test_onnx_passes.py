@@ -939,9 +939,10 @@ def test_channels_last_transposes_fold_into_nchwc_reorders(saved: bool) -> None:
 @needs_nchwc
 @pytest.mark.parametrize("convolved", [False, True], ids=["alone", "read-by-a-convolution"])
 def test_an_nchw_tensors_channels_last_copy_is_written_from_its_nchwc_form(convolved: bool) -> None:
-    # ONNX Runtime's Transpose moves a float at a time on one thread; the NCHWc reorders are threaded. A tensor an
-    # NCHWc convolution reads is already blocked (its ReorderInput comes after the Transpose here), and one that
-    # none reads is blocked for the purpose.
+    # A channels-last copy the graph returns (an operand of PyTorch's weight gradient): ONNX Runtime's Transpose
+    # moves a float at a time on one thread, the NCHWc reorders are threaded. A tensor an NCHWc convolution reads
+    # is already blocked (its ReorderInput comes after the Transpose here), one that none reads is blocked for
+    # the purpose.
     nchwc = "com.microsoft.nchwc"
     nodes = [helper.make_node("Transpose", ["x"], ["x_last"], perm=[0, 2, 3, 1])]
     if convolved:
@@ -969,14 +970,19 @@ def test_an_nchw_tensors_channels_last_copy_is_written_from_its_nchwc_form(convo
         np.testing.assert_array_equal(ours[1], x)
 
 
-def test_a_transpose_of_channels_the_reorders_cannot_take_stays() -> None:
+@pytest.mark.parametrize(("channels", "returned"), [(3, True), (12, False)], ids=["rgb-images", "read-in-the-graph"])
+def test_other_channels_last_transposes_stay(channels: int, returned: bool) -> None:
+    # The reorders take channel counts that are multiples of 4; a transpose the graph reads itself (attention's
+    # keys, [batch, tokens, heads, width] -> [batch, heads, width, tokens]) is no image layout.
     nodes = [helper.make_node("Transpose", ["x"], ["x_last"], perm=[0, 2, 3, 1])]
+    if not returned:
+        nodes.append(helper.make_node("Relu", ["x_last"], ["y"]))
     graph = helper.make_graph(
         nodes,
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5, 6])],  # RGB images: 3 channels
-        [helper.make_tensor_value_info("x_last", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, channels, 5, 6])],
+        [helper.make_tensor_value_info("x_last" if returned else "y", TensorProto.FLOAT, None)],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     assert fold_channels_last_transposes(model) == 0
-    assert [n.op_type for n in model.graph.node] == ["Transpose"]
+    assert model.graph.node[0].op_type == "Transpose"

@@ -938,11 +938,13 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
 
     ``Transpose(perm=[0, 2, 3, 1])`` of a ``ReorderOutput`` that nothing else reads becomes that
     ``ReorderOutput`` with ``channels_last=1``; ``Transpose(perm=[0, 3, 1, 2])`` that only ``ReorderInput``
-    nodes read is dropped and they take its input with ``channels_last=1``. Any other float32
-    ``Transpose(perm=[0, 2, 3, 1])`` of images whose channels the NCHWc reorders take (a multiple of 4) becomes a
-    ``ReorderOutput`` with ``channels_last=1`` of the tensor's NCHWc form: the ``ReorderInput`` a convolution
-    already reads, or a new one (ONNX Runtime's CPU ``Transpose`` moves such a tensor element by element on one
-    thread, about ten times slower than the two threaded reorders). Returns the number of transposes folded.
+    nodes read is dropped and they take its input with ``channels_last=1``. A channels-last copy that the graph
+    returns, ``Transpose(perm=[0, 2, 3, 1])`` of a float32 batch of images whose channels the NCHWc reorders take
+    (a multiple of 4; the operands of PyTorch's weight gradients, see
+    :mod:`lightning_ort.engine.fx.weight_grad_layout`), becomes a ``ReorderOutput`` with ``channels_last=1`` of
+    the tensor's NCHWc form: the ``ReorderInput`` a convolution already reads, or a new one (ONNX Runtime's CPU
+    ``Transpose`` moves such a tensor element by element on one thread, about ten times slower than the two
+    threaded reorders). Returns the number of transposes folded.
 
     Example:
         >>> nodes = [
@@ -961,6 +963,7 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
+    returned = {output.name for output in graph.output}
     position = {id(node): index for index, node in enumerate(graph.node)}
     dropped: set[int] = set()
     after: dict[int, list[onnx.NodeProto]] = {}
@@ -976,7 +979,11 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
             source.output[0] = node.output[0]
             source.attribute.append(helper.make_attribute("channels_last", 1))
             dropped.add(id(node))
-        elif perm == [0, 2, 3, 1] and (channels := _reorderable_channels(values.get(node.input[0]))):
+        elif (
+            perm == [0, 2, 3, 1]
+            and node.output[0] in returned
+            and (channels := _reorderable_channels(values.get(node.input[0])))
+        ):
             here = position[id(node)]
             first_read = min((position[id(r)] for r in readers.get(node.output[0], [])), default=len(position))
             blocked = next(
