@@ -24,10 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort import DebugOptions, ORTConfig, ORTModule, ORTSingleDeviceStrategy
 from lightning_ort.engine.capture.backend import backend_options
-from lightning_ort.engine.capture.partition import PartitionedGraph
 from lightning_ort.engine.fx.decompositions import capture_decompositions, weight_grad_in_torch
-from lightning_ort.engine.fx.weight_grad_layout import is_channels_last_view, is_weight_grad_request
-from lightning_ort.engine.onnx.passes import nchwc_block_size
 from tests.helpers import assert_grads_close
 from tests.lightning.models import train_three_steps
 
@@ -112,50 +109,6 @@ def test_weight_gradients_leave_a_backward_split_around_pytorchs_kernel_without_
     returned = {value.name for value in backward.output}
     reshaped = [n.name for n in backward.node if n.op_type == "Reshape" and n.output[0] in returned]
     assert reshaped == []
-    assert wrapped.statistics.fallback_ops == 0
-
-
-@pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has no ONNX Runtime NCHWc kernels")
-def test_pytorchs_weight_gradients_read_channels_last_operands_that_onnx_runtime_wrote(tmp_path: Path) -> None:
-    # oneDNN's weight gradient reads channels-last operands without first copying them into its blocked layout.
-    # The forward graph saves each layer's input channels-last and the backward graph returns each output
-    # gradient so, written from the NCHWc tensors ONNX Runtime holds for the convolutions: no Transpose remains.
-    torch.manual_seed(0)
-    eager = nn.Sequential(
-        nn.Conv2d(8, 16, 3, padding=1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 4),
-    )
-    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
-    wrapped = ORTModule(copy.deepcopy(eager), debug, fallback="raise")
-    x = torch.randn(4, 8, 8, 8)
-    for model in (wrapped, eager):
-        model(x).square().sum().backward()
-    assert_grads_close(wrapped, eager)
-    assert all(p.grad is not None and p.grad.is_contiguous() for p in wrapped.parameters()), "the weights' layout"
-    (backward,) = [runner for kind, runner in wrapped._backend.runners() if kind == "backward"]
-    assert isinstance(backward, PartitionedGraph)
-    requests = [node for node in backward._gm.graph.nodes if is_weight_grad_request(node)]
-    assert len(requests) == 2
-    assert all(is_channels_last_view(operand) for node in requests for operand in node.args[:2])
-    exported = [path for path in sorted(tmp_path.glob("m_training_*.onnx")) if "optimized" not in path.name]
-    graphs = [onnx.load(str(path)).graph for path in exported]
-    transposes = [node for graph in graphs for node in graph.node if node.op_type == "Transpose"]
-    assert [list(node.attribute[0].ints) for node in transposes] == [[1, 0]], "the linear layer's alone"
-    written = [
-        node.output[0]
-        for graph in graphs
-        for node in graph.node
-        if node.op_type == "ReorderOutput" and any(a.name == "channels_last" and a.i for a in node.attribute)
-    ]
-    returned = {output.name for graph in graphs for output in graph.output}
-    assert len(written) == 4 and set(written) <= returned, "two saved inputs, two output gradients"
     assert wrapped.statistics.fallback_ops == 0
 
 

@@ -50,7 +50,6 @@ from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
 from lightning_ort.engine.fx.silu import silus
-from lightning_ort.engine.fx.weight_grad_layout import channels_last_weight_grad_operands
 from lightning_ort.engine.runtime.cpu_kernels import kernel_library
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,
@@ -313,8 +312,6 @@ def _partition(
     saved_from = kwargs["num_fwd_outputs"]
     moved = move_saved_permutes(forward, backward, saved_from)
     log.debug("%d saved permuted views moved to the backward graph", moved)
-    channels_last = channels_last_weight_grad_operands(forward, backward, saved_from)
-    log.debug("%d weight-gradient operands read channels-last", channels_last)
     forward.meta[VIEWS_FROM] = saved_from
     backward.meta[VIEWS_FROM] = 0
     primals = joint_inputs[0] if len(joint_inputs) == 2 else ()

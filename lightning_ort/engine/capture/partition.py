@@ -22,7 +22,6 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lightning_ort.engine.capture.blocks import BlockCall
 from lightning_ort.engine.fx.replacements import DROPOUT_KEEP
-from lightning_ort.engine.fx.weight_grad_layout import is_channels_last_view, is_weight_grad_request
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.export import copy_graph_module, onnx_registry
 from lightning_ort.engine.runtime.session import GraphSession
@@ -102,27 +101,20 @@ def weight_gradient_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """
     kept: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if is_weight_grad_request(node):
-            reason = kept[node.name] = "conv_weight_grad keeps in PyTorch"
-            kept |= {view.name: reason for view in node.all_input_nodes if is_channels_last_view(view)}
+        if (
+            node.op == "call_function"
+            and node.target is aten.convolution_backward.default
+            and not node.args[7]
+            and list(node.args[10]) == [False, True, False]
+        ):
+            kept[node.name] = "conv_weight_grad keeps in PyTorch"
             gradients = [user for user in node.users if user.target is operator.getitem]
-            copies = [user for grad in gradients for user in grad.users if _is_row_major_copy(user)]
-            kept |= {copy.name: reason for copy in copies}
-            kept |= {cast.name: reason for grad in [*gradients, *copies] for cast in grad.users if _is_cast(cast)}
+            kept |= {cast.name: kept[node.name] for grad in gradients for cast in grad.users if _is_cast(cast)}
         elif node.op == "call_function" and node.target is aten.embedding_dense_backward.default:
             reason = "embedding gradients on CPU run in PyTorch"
             kept[node.name] = reason
             kept |= {user.name: reason for user in node.users if _is_cast(user) or _returned_sum(user)}
     return kept
-
-
-def _is_row_major_copy(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a ``clone`` to the row-major layout."""
-    return (
-        node.op == "call_function"
-        and node.target is aten.clone.default
-        and node.kwargs.get("memory_format") == torch.contiguous_format
-    )
 
 
 def _returned_sum(node: torch.fx.Node) -> bool:

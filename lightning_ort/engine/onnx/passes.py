@@ -938,13 +938,8 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
 
     ``Transpose(perm=[0, 2, 3, 1])`` of a ``ReorderOutput`` that nothing else reads becomes that
     ``ReorderOutput`` with ``channels_last=1``; ``Transpose(perm=[0, 3, 1, 2])`` that only ``ReorderInput``
-    nodes read is dropped and they take its input with ``channels_last=1``. A channels-last copy that the graph
-    returns, ``Transpose(perm=[0, 2, 3, 1])`` of a float32 batch of images whose channels the NCHWc reorders take
-    (a multiple of 4; the operands of PyTorch's weight gradients, see
-    :mod:`lightning_ort.engine.fx.weight_grad_layout`), becomes a ``ReorderOutput`` with ``channels_last=1`` of
-    the tensor's NCHWc form: the ``ReorderInput`` a convolution already reads, or a new one (ONNX Runtime's CPU
-    ``Transpose`` moves such a tensor element by element on one thread, about ten times slower than the two
-    threaded reorders). Returns the number of transposes folded.
+    nodes read is dropped and they take its input with ``channels_last=1``. Returns the number of transposes
+    folded.
 
     Example:
         >>> nodes = [
@@ -958,15 +953,11 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
     graph = model.graph
     reads = _read_counts(list(graph.node), graph)
     producers = {output: node for node in graph.node for output in node.output}
-    values = _values(graph)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    returned = {output.name for output in graph.output}
-    position = {id(node): index for index, node in enumerate(graph.node)}
     dropped: set[int] = set()
-    after: dict[int, list[onnx.NodeProto]] = {}
     for node in graph.node:
         if node.op_type != "Transpose" or not _in_default_domain(node):
             continue
@@ -979,36 +970,6 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
             source.output[0] = node.output[0]
             source.attribute.append(helper.make_attribute("channels_last", 1))
             dropped.add(id(node))
-        elif (
-            perm == [0, 2, 3, 1]
-            and node.output[0] in returned
-            and (channels := _reorderable_channels(values.get(node.input[0])))
-        ):
-            here = position[id(node)]
-            first_read = min((position[id(r)] for r in readers.get(node.output[0], [])), default=len(position))
-            blocked = next(
-                (
-                    r
-                    for r in readers.get(node.input[0], [])
-                    if _is_nchwc(r, "ReorderInput")
-                    and not _attributes(r).get("channels_last", 0)
-                    and position[id(r)] < first_read
-                ),
-                None,
-            )
-            nodes: list[onnx.NodeProto] = []
-            if blocked is None:
-                blocked = helper.make_node(
-                    "ReorderInput", [node.input[0]], [f"{node.output[0]}_nchwc"], f"{node.name}_nchwc", domain=_NCHWC
-                )
-                nodes.append(blocked)
-            reorder = helper.make_node(
-                "ReorderOutput", [blocked.output[0]], [node.output[0]], node.name, domain=_NCHWC, channels=channels
-            )
-            reorder.attribute.append(helper.make_attribute("channels_last", 1))
-            nodes.append(reorder)
-            after.setdefault(max(here, position.get(id(blocked), here)), []).extend(nodes)
-            dropped.add(id(node))
         elif perm == [0, 3, 1, 2]:
             reorders = readers.get(node.output[0], [])
             if not reorders or reads[node.output[0]] != len(reorders):
@@ -1020,17 +981,8 @@ def fold_channels_last_transposes(model: onnx.ModelProto) -> int:
                 reorder.attribute.append(helper.make_attribute("channels_last", 1))
             dropped.add(id(node))
     if dropped:
-        kept = [([] if id(node) in dropped else [node]) + after.get(index, []) for index, node in enumerate(graph.node)]
-        _replace_nodes(graph, [node for nodes in kept for node in nodes])
+        _replace_nodes(graph, [node for node in graph.node if id(node) not in dropped])
     return len(dropped)
-
-
-def _reorderable_channels(value: _Value | None) -> int | None:
-    """The channel count of a float32 batch of images that the NCHWc reorders take, else ``None``."""
-    if value is None or value.elem_type != onnx.TensorProto.FLOAT or len(value.dims) != 4 or not nchwc_block_size():
-        return None
-    channels = value.dims[1]
-    return channels if isinstance(channels, int) and channels > 0 and channels % 4 == 0 else None
 
 
 def read_pooled_grads_per_plane(model: onnx.ModelProto) -> int:
