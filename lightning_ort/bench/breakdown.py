@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from typing_extensions import override
 
-from lightning_ort.bench.report import Report
+from lightning_ort.bench.report import Report, numerics
 from lightning_ort.bench.runtimes import warmed_runner
 from lightning_ort.bench.workloads import Workload
 
@@ -188,8 +188,7 @@ class BreakdownReport(Report):
     def conditions(self) -> list[str]:
         return [
             self.workload,
-            self.precision,
-            *([self.memory_format] if self.memory_format != "contiguous" else []),
+            *numerics(self.precision, self.memory_format),
             *super().conditions(),
             f"counts from torch.profiler over {PROFILED_STEPS} more steps",
         ]

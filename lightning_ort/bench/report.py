@@ -49,6 +49,17 @@ class LightningResult:
         )
 
 
+def numerics(precision: str, memory_format: str) -> list[str]:
+    """How a study's models computed, for its header: the precision, and the memory format where it is not the
+    default.
+
+    Example:
+        >>> numerics("fp32", "contiguous"), numerics("bf16", "channels_last")
+        (['fp32'], ['bf16', 'channels_last'])
+    """
+    return [precision, *([memory_format] if memory_format != "contiguous" else [])]
+
+
 @dataclass
 class Report:
     """The machine a study ran on, how its process allocates host memory (:mod:`lightning_ort.bench.heap`),

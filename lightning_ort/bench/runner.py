@@ -54,7 +54,7 @@ from lightning_ort.bench.depth import DepthReport, run_depth_study
 from lightning_ort.bench.fsdp import FsdpReport, run_fsdp_study
 from lightning_ort.bench.heap import HEAP_SETTINGS, apply_heap_setting
 from lightning_ort.bench.memory import MemoryReport, run_memory_study
-from lightning_ort.bench.report import LightningResult, Report
+from lightning_ort.bench.report import LightningResult, Report, numerics
 from lightning_ort.bench.runtimes import (
     PRECISIONS,
     RUNTIMES,
@@ -142,10 +142,8 @@ class BenchReport(Report):
 
     @override
     def conditions(self) -> list[str]:
-        layout = [self.memory_format] if self.memory_format != "contiguous" else []
         return [
-            self.precision,
-            *layout,
+            *numerics(self.precision, self.memory_format),
             *super().conditions(),
             f"inductor's first step with a {self.inductor_cache} cache",
         ]
