@@ -601,11 +601,6 @@ def test_casts_to_the_type_they_read_are_dropped_and_their_outputs_written_by_th
     assert drop_identity_casts(model) == 0
 
 
-def _run_all(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return [np.asarray(value, np.float32) for value in session.run(None, feeds)]
-
-
 def test_reshape_chains_and_reshapes_that_change_nothing_are_removed_with_the_same_result() -> None:
     def shape(name: str, values: list[int]) -> onnx.TensorProto:
         return numpy_helper.from_array(np.array(values, np.int64), name)
