@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -459,20 +460,35 @@ def test_table_runs_each_row_with_each_runtime_and_the_lightning_timing(capsys: 
     assert "is not a row" in capsys.readouterr().err
 
 
-def test_ort_blocks_auto_runs_block_graphs_as_the_strategies_do() -> None:
-    """The Lightning timing's plain loop must build what ``Trainer(strategy="ort")`` builds by default."""
+def _block_graphs_built(names: Sequence[str]) -> dict[str, int]:
     from lightning_ort import ORTModule
     from lightning_ort.bench.runtimes import Runner
 
     device = torch.device("cpu")
     workload = bench_workloads.WORKLOADS["transformer"](device)
     built = {}
-    for name in ("ort", "ort/blocks=auto", "ort/blocks=none"):
+    for name in names:
         runner = Runner(name, workload, device)
         runner.step()
         assert isinstance(runner.model, ORTModule)
         built[name] = runner.model.statistics.block_graphs
+    return built
+
+
+def test_ort_blocks_auto_runs_block_graphs_as_the_strategies_do() -> None:
+    """The Lightning timing's plain loop must build what ``Trainer(strategy="ort")`` builds by default."""
+    built = _block_graphs_built(["ort", "ort/blocks=auto", "ort/blocks=none"])
     assert built["ort"] == built["ort/blocks=none"] == 0 and built["ort/blocks=auto"] > 0
+
+
+def test_ort_blocks_repeated_keeps_the_blocks_that_auto_inlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``blocks=repeated`` names the classes ``"auto"`` finds, so that one run compares block graphs with the
+    rule that inlines light ones (the CPU has no threshold: one is set for the test)."""
+    from lightning_ort.engine.capture import aot
+
+    monkeypatch.setattr(aot, "BLOCK_FLOPS", {"cpu": 1e12})
+    built = _block_graphs_built(["ort/blocks=auto", "ort/blocks=repeated"])
+    assert built == {"ort/blocks=auto": 0, "ort/blocks=repeated": 2}
 
 
 def test_breakdown_reports_each_runtimes_step_and_where_its_host_time_goes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import lightning_ort.engine.runtime.session as session_module
 from lightning_ort import CudaGraphWarning, ORTModule, SessionSettings
@@ -246,6 +247,31 @@ def test_cuda_graphs_replay_each_block_of_hugging_face_gpt2(monkeypatch: pytest.
     ids = torch.randint(0, 128, (2, 32), device="cuda")
     _train_alike(eager, wrapped, lambda model: model(input_ids=ids, labels=ids).loss)
     assert sessions and all(session.captured for session in sessions)
+
+
+class _ResidualMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize(("width", "tokens", "block_graphs"), [(64, 256, 0), (2048, 4096, 2)])
+def test_automatic_blocks_keep_graphs_of_their_own_only_where_their_work_hides_a_runs_host_time(
+    width: int, tokens: int, block_graphs: int
+) -> None:
+    # A block's forward: 4 * tokens * width * 2 * width operations, 8.4 MFLOP and 137 GFLOP here, against the
+    # 20 GFLOP threshold for CUDA.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(_ResidualMLP(width) for _ in range(3))).cuda()
+    wrapped = ORTModule(copy.deepcopy(eager), blocks="auto")
+    x = torch.randn(tokens, width, device="cuda") / width**0.5
+    _train_alike(eager, wrapped, lambda model: model(x).square().mean(), steps=2)
+    assert wrapped.statistics.block_graphs == block_graphs
 
 
 def test_graphs_with_symbolic_sizes_run_uncaptured_and_say_why() -> None:

@@ -56,6 +56,7 @@ from lightning_ort.bench.heap import HEAP_SETTINGS, apply_heap_setting
 from lightning_ort.bench.memory import MemoryReport, run_memory_study
 from lightning_ort.bench.report import LightningResult, Report, numerics
 from lightning_ort.bench.runtimes import (
+    ORT_VARIANTS,
     PRECISIONS,
     RUNTIMES,
     Runner,
@@ -654,14 +655,13 @@ def _parser() -> argparse.ArgumentParser:
     layered.add_argument("--layers", type=int, default=4, help="the model's layer count (default 4)")
 
     timed = argparse.ArgumentParser(add_help=False)  # the studies that time runtimes against eager
+    variants = ", ".join(f"{key}={'|'.join(values)}" for key, values in ORT_VARIANTS.items())
     timed.add_argument(
         "--runtime",
         type=runtime_name,
         action="append",
         help=f"repeatable; default: {', '.join(RUNTIMES)}. eager always runs. ort/OPTION=VALUE...: ORTModule "
-        "with these options, to compare them in one run: cuda_memory=torch|shared_arena|session_arena, "
-        "attention=auto|onnx|torch, cuda_graph=on|off, conv_weight_grad=auto|onnx|torch, blocks=auto|none "
-        "(ort/attention=torch/cuda_memory=shared_arena)",
+        f"with these options, to compare them in one run: {variants} (ort/attention=torch/cuda_memory=shared_arena)",
     )
     timed.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (default 3)")
     timed.add_argument("--no-lightning", action="store_true", help="skip the Trainer(strategy='ort') timing")

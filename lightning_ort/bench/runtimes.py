@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lightning_ort.bench.workloads import Workload, synchronize
+from lightning_ort.engine.capture.blocks import resolve_blocks
 from lightning_ort.module import ORTModule
 from lightning_ort.options import (
     ATTENTION_PATHS,
@@ -37,7 +38,7 @@ ORT_VARIANTS = {
     "attention": ATTENTION_PATHS,
     "cuda_graph": ("on", "off"),
     "conv_weight_grad": CONV_WEIGHT_GRADS,
-    "blocks": ("auto", "none"),
+    "blocks": ("auto", "repeated", "none"),
 }
 """The ORTModule options a runtime name may set: ``ort/cuda_memory=shared_arena/attention=torch``."""
 
@@ -74,6 +75,14 @@ def ort_variant(name: str) -> dict[str, str]:
     return {key: value for key, _, value in (setting.partition("=") for setting in name.split("/")[1:])}
 
 
+def _blocks(model: nn.Module, variant: str) -> str | list[type[nn.Module]] | None:
+    """``blocks`` for ORTModule: ``"auto"`` as the strategies pass it (light blocks inlined on CUDA), the classes
+    it finds named (``"repeated"``: kept whatever their work), or ``None`` (``"none"``: one graph)."""
+    if variant == "repeated":
+        return resolve_blocks(model, "auto")
+    return "auto" if variant == "auto" else None
+
+
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``--precision``: the autocast dtype (``None``: no autocast)."""
 
@@ -104,7 +113,7 @@ class Runner:
                 model,
                 debug_options,
                 session_settings=settings,
-                blocks="auto" if variant.get("blocks") == "auto" else None,
+                blocks=_blocks(model, variant.get("blocks", "none")),
                 attention=attention,
                 conv_weight_grad=weight_grad,
             )

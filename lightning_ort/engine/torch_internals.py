@@ -67,7 +67,9 @@ if TYPE_CHECKING:
 functorch_config: Any = importlib.import_module("torch._functorch.config")
 (min_cut_rematerialization_partition,) = require("torch._functorch.partitioners", "min_cut_rematerialization_partition")
 detect_fake_mode, tracing = require("torch._guards", "detect_fake_mode", "tracing")
-FakeTensor, unset_fake_temporarily = require("torch._subclasses.fake_tensor", "FakeTensor", "unset_fake_temporarily")
+FakeTensor, FakeTensorMode, unset_fake_temporarily = require(
+    "torch._subclasses.fake_tensor", "FakeTensor", "FakeTensorMode", "unset_fake_temporarily"
+)
 core_aten_decompositions, get_decompositions = require(
     "torch._decomp", "core_aten_decompositions", "get_decompositions"
 )
@@ -128,6 +130,21 @@ def nested_compile_region(fn: Callable[..., Any], max_reuse_entries: int) -> Cal
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 """The higher-order op a nested compile region's call becomes in a captured graph."""
+
+
+def size_hint(size: int | torch.SymInt) -> int | None:
+    """``size``'s value in the example a graph was traced with (a symbolic size's hint); ``None`` if unknown.
+
+    Reading the hint adds no guard, as ``int(size)`` would: the graph stays as general as TorchDynamo made it.
+
+    Example:
+        >>> size_hint(8)
+        8
+    """
+    if isinstance(size, int):
+        return size
+    node = size.node
+    return int(node.hint) if node.has_hint() else None
 
 
 # The ONNX exporter (torch.onnx's dynamo path).

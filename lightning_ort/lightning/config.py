@@ -246,11 +246,11 @@ class ORTConfig:
     ) -> ModuleOptions:
         """The options of the network at ``path``, checked already: its file prefix, block classes and share of
         ``dynamic_axes`` (resolved across the wrapped networks by :func:`~lightning_ort.lightning.wrapping.
-        wrap_submodules`)."""
+        wrap_submodules`). Under ``blocks="auto"`` the network finds its blocks itself, as ``blocks`` holds."""
         return dataclasses.replace(
             self.module_options,
             debug_options=self.debug_options_for(path),
-            blocks=tuple(blocks),
+            blocks="auto" if self.module_options.blocks == "auto" else tuple(blocks),
             dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
         )
 

@@ -15,8 +15,17 @@ from torch.torch_version import TorchVersion
 from typing_extensions import override
 
 from lightning_ort import BlockError, ExportError, FallbackWarning, ORTModule
+from lightning_ort.engine.capture import aot
 from lightning_ort.engine.capture.aot import CapturedGraph
-from lightning_ort.engine.capture.blocks import marked_blocks, repeated_classes, resolve_blocks
+from lightning_ort.engine.capture.blocks import (
+    inline_blocks,
+    light_blocks,
+    mark_blocks,
+    marked_blocks,
+    repeated_classes,
+    resolve_blocks,
+)
+from lightning_ort.engine.torch_internals import maybe_mark_dynamic
 from tests.helpers import assert_grads_close, assert_outputs_close, weighted_loss
 
 
@@ -107,6 +116,57 @@ def test_blocks_that_update_buffers_are_inlined_into_one_graph(caplog: pytest.Lo
     torch.testing.assert_close(blocked.state_dict(), eager.state_dict())
     stats = blocked.statistics
     assert stats.block_graphs == 0 and stats.eager_signatures == 0 and stats.backward_runs == 1
+
+
+def _block_flops(model: nn.Module, dynamic: bool) -> list[float]:
+    """The forward work :func:`light_blocks` counts for each distinct block subgraph TorchDynamo traces."""
+    counts: list[float] = []
+
+    def backend(gm: torch.fx.GraphModule, _: Any) -> Any:
+        counts.extend(light_blocks(gm, float("inf")).values())
+        inline_blocks(gm)
+        return gm.forward
+
+    mark_blocks(model, [Block])
+    ids, mask = _batch()
+    if dynamic:
+        maybe_mark_dynamic(ids, 1)
+        maybe_mark_dynamic(mask, 1)
+    torch.compile(model, backend=backend)(ids, mask)
+    return counts
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+def test_a_blocks_forward_work_is_counted_on_its_traced_shapes(dynamic: bool) -> None:
+    # 3 x 7 tokens through Linear(16, 32) and Linear(32, 16): 2 * 21 * 16 * 32 operations each.
+    assert _block_flops(Deep(depth=3), dynamic) == [2 * 2 * 21 * 16 * 32]
+
+
+def test_automatic_blocks_too_light_for_the_device_are_inlined(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``blocks="auto"`` keeps a block's graphs only where its forward's work reaches the device's threshold;
+    named block classes are kept whatever their work (the CPU has no threshold: one is set for the test)."""
+    torch.manual_seed(0)
+    eager = Deep(depth=4)
+    monkeypatch.setattr(aot, "BLOCK_FLOPS", {"cpu": 1e6})
+    automatic = ORTModule(copy.deepcopy(eager), blocks="auto")
+    named = ORTModule(copy.deepcopy(eager), blocks=[Block])
+    with caplog.at_level(logging.INFO, logger="lightning_ort.engine.capture.aot"):
+        outputs = [model(*_batch()) for model in (eager, automatic, named)]
+        for output in outputs:
+            weighted_loss(output).backward()
+    assert "blocks='auto' inlines the blocks of the first graph: a block's forward counts 4.3e-05 GFLOP" in caplog.text
+    for output, model in zip(outputs[1:], (automatic, named)):
+        assert_outputs_close(output, outputs[0])
+        assert_grads_close(model, eager)
+    assert automatic.statistics.block_graphs == 0 and automatic.statistics.backward_runs == 1
+    assert named.statistics.block_graphs == 2
+
+    monkeypatch.setattr(aot, "BLOCK_FLOPS", {"cpu": 4e4})
+    heavy_enough = ORTModule(copy.deepcopy(eager), blocks="auto")
+    weighted_loss(heavy_enough(*_batch())).backward()
+    assert heavy_enough.statistics.block_graphs == 2
 
 
 class BreakingBlock(Block):

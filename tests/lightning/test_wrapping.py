@@ -6,9 +6,11 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_ort import ORTCallback, ORTDDPStrategy, ORTFSDPStrategy, ORTModule, ORTSingleDeviceStrategy
+from lightning_ort.engine.capture import aot
 from lightning_ort.lightning.config import ORTConfig
 from lightning_ort.lightning.wrapping import default_module_names, wrap_submodules
 from tests.lightning.models import TinyTransformerLM
@@ -84,6 +86,20 @@ def test_each_wrapped_module_saves_under_its_own_prefix(tmp_path: Path) -> None:
         "head": "lm_head",
     }
     assert ORTConfig().debug_options_for("net.layers.0").onnx_prefix == "net.layers.0"
+
+
+@pytest.mark.parametrize(("blocks", "block_graphs"), [("auto", 0), (["TransformerEncoderLayer"], 2)])
+def test_automatic_blocks_stay_automatic_in_the_wrapped_networks(
+    blocks: str | list[str], block_graphs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``blocks="auto"`` a wrapped network weighs its blocks' work as ``ORTModule(blocks="auto")`` does and
+    inlines light ones; named classes keep their graphs (the CPU has no threshold: one is set for the test)."""
+    monkeypatch.setattr(aot, "BLOCK_FLOPS", {"cpu": 1e12})
+    model = TinyTransformerLM()
+    net = wrap_submodules(model, ORTConfig(modules=["net"], blocks=blocks))["net"]
+    assert [cls.__name__ for cls in net.block_classes] == ["TransformerEncoderLayer"]
+    model(torch.randint(0, 40, (2, 9))).sum().backward()
+    assert net.statistics.block_graphs == block_graphs
 
 
 @pytest.mark.parametrize("owner", [ORTCallback, ORTDDPStrategy, ORTSingleDeviceStrategy, ORTFSDPStrategy])

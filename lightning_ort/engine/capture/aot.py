@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_ort.engine.capture.blocks import BlockGraphs, has_blocks, inline_blocks
+from lightning_ort.engine.capture.blocks import BLOCK_FLOPS, BlockGraphs, has_blocks, inline_blocks, light_blocks
 from lightning_ort.engine.capture.build import (
     VIEWS_FROM,
     BuildLog,
@@ -146,6 +146,8 @@ class CapturedGraph:
         :class:`FallbackWarning`, or raises under ``fallback="raise"``.
         """
         start, exported_before = time.perf_counter(), self._build_log.counts.export_seconds
+        if self._options.automatic_blocks:
+            self._inline_light_blocks()
         attention_path = self._options.attention
         substitute_functions(self._gm, attention_path)
         fold_activations(self._gm)
@@ -201,6 +203,26 @@ class CapturedGraph:
             exported = self._build_log.counts.export_seconds - exported_before
             self._build_log.add(capture_seconds=time.perf_counter() - start - exported)
         return compiled
+
+    def _inline_light_blocks(self) -> None:
+        """Inline the blocks whose forward does less work than a block graph needs on this graph's device."""
+        min_flops = BLOCK_FLOPS.get(self._device.type)
+        if min_flops is None or not has_blocks(self._gm):
+            return
+        light = light_blocks(self._gm, min_flops)
+        if not light:
+            return
+        inline_blocks(self._gm, light)
+        log.info(
+            "%s: blocks='auto' inlines the blocks of the %s graph: a block's forward counts %.2g GFLOP, under the "
+            "%.3g GFLOP that pays for its graphs' own runs on %s. Name the block classes (blocks=[...]) to keep "
+            "them apart.",
+            self._owner,
+            self._tag or "first",
+            max(light.values()) / 1e9,
+            min_flops / 1e9,
+            self._device.type,
+        )
 
     def _compile_with_aot(self, backend: Callable[..., Any]) -> Callable[..., Any]:
         """``backend`` applied to the graph; blocks AOTAutograd refuses to keep apart are inlined instead."""

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_ort.engine.torch_internals import INVOKE_SUBGRAPH, nested_compile_region
+from lightning_ort.engine.torch_internals import INVOKE_SUBGRAPH, FakeTensorMode, nested_compile_region, size_hint
 from lightning_ort.errors import BlockError
 from lightning_ort.logs import get_logger
 from lightning_ort.options import BlockSpec
@@ -268,18 +269,108 @@ def has_blocks(gm: torch.fx.GraphModule) -> bool:
     return any(node.op == "call_function" and node.target is INVOKE_SUBGRAPH for node in gm.graph.nodes)
 
 
-def inline_blocks(gm: torch.fx.GraphModule) -> None:
+def inline_blocks(gm: torch.fx.GraphModule, subgraphs: Collection[str] | None = None) -> None:
     """Make ``gm``'s block calls plain calls of their subgraphs, which AOTAutograd traces into one graph.
 
     For blocks AOTAutograd cannot keep apart (``invoke_subgraph`` refuses a block that updates a buffer in
-    training, as ``BatchNorm`` does).
+    training, as ``BatchNorm`` does), and blocks too light for graphs of their own (:func:`light_blocks`).
+
+    Args:
+        gm: a graph from TorchDynamo (changed in place).
+        subgraphs: the names of the subgraph attributes whose calls to inline; ``None`` inlines every call.
     """
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
             holder, _, *operands = node.args
+            if subgraphs is not None and holder.target not in subgraphs:
+                continue
             node.target = _call_subgraph
             node.args = (holder, *operands)
     gm.recompile()
+
+
+BLOCK_FLOPS: Mapping[str, float] = {"cuda": 20e9}
+"""The forward work (floating-point operations) below which ``blocks="auto"`` inlines a block, by device type.
+
+A block graph runs as ONNX Runtime runs of its own, each with a fixed host cost (binding inputs and outputs,
+starting the run). On a GPU the host launches work ahead of the device, so that cost is hidden while a block's
+kernels take longer than it and shows in the step when they do not: a small block then costs more time and, its
+activations held at the boundaries, more memory than the whole model in one graph. The threshold sits between
+the heaviest block measured to lose from its own graphs and the lightest measured to gain (see the performance
+guide, "Block graphs on CUDA"). On the CPU a run's host cost is small beside any block's kernels, and block graphs
+keep the first step's build time flat with depth: no device type but ``cuda`` inlines blocks.
+"""
+
+
+def light_blocks(gm: torch.fx.GraphModule, min_flops: float) -> dict[str, float]:
+    """The block subgraphs ``gm`` calls whose forward counts fewer than ``min_flops``; their names and counts.
+
+    The count is ``torch.utils.flop_counter``'s (matrix products, convolutions, attention) for one call of the
+    subgraph on the shapes TorchDynamo traced it with, run on fake tensors: nothing is computed. A subgraph whose
+    count fails (an op fake tensors cannot run) is left out, and so kept.
+
+    Args:
+        gm: a graph from TorchDynamo.
+        min_flops: the forward work a block needs to keep graphs of its own.
+
+    Example:
+        >>> from lightning_ort.engine.capture.blocks import mark_blocks
+        >>> found = {}
+        >>> def backend(gm, example_inputs):
+        ...     found.update(light_blocks(gm, 1e9))
+        ...     inline_blocks(gm)
+        ...     return gm.forward
+        >>> model = nn.Sequential(*(nn.TransformerEncoderLayer(8, 2, 16) for _ in range(3)))
+        >>> _ = mark_blocks(model, [nn.TransformerEncoderLayer])
+        >>> _ = torch.compile(model, backend=backend)(torch.randn(4, 3, 8))
+        >>> [int(flops) for flops in found.values()]
+        [13824]
+    """
+    light: dict[str, float] = {}
+    counted: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not INVOKE_SUBGRAPH:
+            continue
+        holder, _, *operands = node.args
+        if holder.target in counted:
+            continue
+        counted.add(holder.target)
+        flops = _forward_flops(getattr(gm, holder.target), operands)
+        if flops is not None and flops < min_flops:
+            light[holder.target] = flops
+    return light
+
+
+def _forward_flops(subgraph: torch.fx.GraphModule, operands: Sequence[Any]) -> float | None:
+    """``subgraph``'s floating-point operations on fake tensors like ``operands``' traced values; ``None`` if
+    a shape has no known value or an op cannot run on fake tensors."""
+    examples = [arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else arg for arg in operands]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            values = [_fake_like(example) for example in examples]
+            if any(value is None for value in values):
+                return None
+            with FlopCounterMode(display=False) as counter:
+                subgraph.forward(*values)
+    except Exception as err:  # any failure only means that the block keeps its graphs
+        log.debug("the forward work of block subgraph %s was not counted: %s", subgraph, err)
+        return None
+    return float(counter.get_total_flops())
+
+
+def _fake_like(example: Any) -> Any:
+    """A fake tensor of ``example``'s traced shape, strides and type (sizes at their traced values); ``None``
+    where a size has none."""
+    if isinstance(example, torch.SymInt):
+        return size_hint(example)
+    if not isinstance(example, torch.Tensor):
+        return example
+    sizes = [size_hint(size) for size in (*example.shape, *example.stride())]
+    known = [size for size in sizes if size is not None]
+    if len(known) < len(sizes):
+        return None
+    rank = example.dim()
+    return torch.empty_strided(known[:rank], known[rank:], dtype=example.dtype, device=example.device)
 
 
 def _call_subgraph(subgraph: torch.fx.GraphModule, *args: Any) -> Any:

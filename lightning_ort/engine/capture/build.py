@@ -58,6 +58,9 @@ class BuildOptions:
             :class:`~lightning_ort.engine.capture.aot.CapturedGraph` resolves).
         conv_weight_grad: where convolutions' weight gradients are computed (see
             :func:`~lightning_ort.engine.fx.decompositions.weight_grad_in_torch`).
+        automatic_blocks: the model's blocks were found by ``blocks="auto"``, not named: those too light for
+            graphs of their own on the graph's device are inlined (see
+            :data:`~lightning_ort.engine.capture.blocks.BLOCK_FLOPS`).
     """
 
     settings: SessionSettings = field(default_factory=SessionSettings)
@@ -66,6 +69,7 @@ class BuildOptions:
     disk_cache: DiskCache | None = None
     attention: AttentionPath = "auto"
     conv_weight_grad: ConvWeightGrad = "auto"
+    automatic_blocks: bool = False
 
 
 @dataclass(frozen=True)
