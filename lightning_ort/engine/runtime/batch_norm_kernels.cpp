@@ -67,12 +67,15 @@ OrtStatus* check_channels(const Tensor& t, int64_t channels, const char* op, con
 // float statistics the forward outputs: the gradient recomputes y from X (for the clamp's mask) instead of reading
 // the forward's output. The library is compiled without floating-point contraction, so both compute the same y.
 
-// Sums are taken in independent float accumulators, lanes (which the compiler keeps in vector registers: a single
+// Sums are taken in independent float accumulators, lanes (FloatLanes, held in vector registers: a single
 // accumulator is one dependent addition per element), over runs of at most kRun elements, and in double across
 // runs, so float rounding stays local to a run. The forward's sums take kSumLanes lanes, two AVX-512 registers
 // per sum, so that two chains of dependent additions overlap; the gradient's, which recompute the clamp's mask
-// for each element, take kGradLanes (both measured: docs/performance.md, "Batch norm in fused kernels").
-constexpr int64_t kSumLanes = 32;
+// for each element, take kGradLanes (both measured: docs/performance.md, "Batch norm in fused kernels"). The
+// forward's lanes are kSumVectors vectors of kVectorLanes (one 32-lane vector value compiled to slower code).
+constexpr int64_t kVectorLanes = 16;
+constexpr int64_t kSumVectors = 2;
+constexpr int64_t kSumLanes = kSumVectors * kVectorLanes;
 constexpr int64_t kGradLanes = 16;
 constexpr int64_t kRun = 512;
 
@@ -81,13 +84,6 @@ constexpr int64_t kRun = 512;
 template <int64_t kLanes>
 inline int64_t run_end(int64_t start, int64_t n) {
   return start + std::min(kRun, (n - start) / kLanes * kLanes);
-}
-
-template <int64_t kLanes>
-double lane_total(const float* lanes) {
-  double total = 0.0;
-  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
-  return total;
 }
 
 struct Affine {
@@ -259,14 +255,22 @@ KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* sq
   double total = 0.0, total_squares = 0.0;
   int64_t start = 0;
   for (int64_t end; (end = run_end<kSumLanes>(start, n)) > start; start = end) {
-    float s[kSumLanes] = {}, q[kSumLanes] = {};
+    FloatLanes<kVectorLanes> s[kSumVectors] = {}, q[kSumVectors] = {};
     for (int64_t i = start; i < end; i += kSumLanes)
-      for (int64_t j = 0; j < kSumLanes; ++j) {
-        s[j] += p[i + j];
-        q[j] += p[i + j] * p[i + j];
+      for (int64_t h = 0; h < kSumVectors; ++h) {
+        FloatLanes<kVectorLanes> v;
+        load_lanes<kVectorLanes>(v, p + i + h * kVectorLanes);
+        s[h] += v;
+        q[h] += v * v;
       }
-    total += lane_total<kSumLanes>(s);
-    total_squares += lane_total<kSumLanes>(q);
+    double run = 0.0, run_squares = 0.0;
+    for (int64_t h = 0; h < kSumVectors; ++h)
+      for (int64_t j = 0; j < kVectorLanes; ++j) {
+        run += s[h][j];
+        run_squares += q[h][j];
+      }
+    total += run;
+    total_squares += run_squares;
   }
   for (int64_t i = start; i < n; ++i) {
     total += p[i];
@@ -465,15 +469,16 @@ KERNEL_CLONES void plane_grad_sums(const float* g, const float* x, const float* 
   double total = 0.0, total_dot = 0.0;
   int64_t start = 0;
   for (int64_t end; (end = run_end<kGradLanes>(start, n)) > start; start = end) {
-    float s[kGradLanes] = {}, d[kGradLanes] = {};
-    for (int64_t i = start; i < end; i += kGradLanes)
-      for (int64_t j = 0; j < kGradLanes; ++j) {
-        const float gi = masked<kClamp, kResidual>(g, x, y, i + j, f.a, f.b, bounds);
-        s[j] += gi;
-        d[j] += gi * (x[i + j] - mean);
-      }
-    total += lane_total<kGradLanes>(s);
-    total_dot += lane_total<kGradLanes>(d);
+    FloatLanes<kGradLanes> s = {}, d = {};
+    for (int64_t i = start; i < end; i += kGradLanes) {
+      FloatLanes<kGradLanes> gi, xi;
+      for (int64_t j = 0; j < kGradLanes; ++j) gi[j] = masked<kClamp, kResidual>(g, x, y, i + j, f.a, f.b, bounds);
+      load_lanes<kGradLanes>(xi, x + i);
+      s += gi;
+      d += gi * (xi - mean);
+    }
+    total += lanes_total<kGradLanes>(s);
+    total_dot += lanes_total<kGradLanes>(d);
   }
   for (int64_t i = start; i < n; ++i) {
     const float gi = masked<kClamp, kResidual>(g, x, y, i, f.a, f.b, bounds);

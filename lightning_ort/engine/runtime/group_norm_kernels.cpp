@@ -38,16 +38,15 @@ KERNEL_CLONES void sums_of(const float* __restrict p, int64_t n, double* sum, do
   int64_t start = 0;
   for (; start + kLanes <= n;) {
     const int64_t end = start + std::min(kRun, (n - start) / kLanes * kLanes);
-    float s[kLanes] = {}, q[kLanes] = {};
-    for (int64_t i = start; i < end; i += kLanes)
-      for (int64_t j = 0; j < kLanes; ++j) {
-        s[j] += p[i + j];
-        q[j] += p[i + j] * p[i + j];
-      }
-    for (int64_t j = 0; j < kLanes; ++j) {
-      total += s[j];
-      total_squares += q[j];
+    FloatLanes<kLanes> s = {}, q = {};
+    for (int64_t i = start; i < end; i += kLanes) {
+      FloatLanes<kLanes> v;
+      load_lanes<kLanes>(v, p + i);
+      s += v;
+      q += v * v;
     }
+    total += lanes_total<kLanes>(s);
+    total_squares += lanes_total<kLanes>(q);
     start = end;
   }
   for (int64_t i = start; i < n; ++i) {
@@ -65,16 +64,16 @@ KERNEL_CLONES void grad_sums_of(const float* __restrict g, const float* __restri
   int64_t start = 0;
   for (; start + kLanes <= n;) {
     const int64_t end = start + std::min(kRun, (n - start) / kLanes * kLanes);
-    float d[kLanes] = {}, s[kLanes] = {};
-    for (int64_t i = start; i < end; i += kLanes)
-      for (int64_t j = 0; j < kLanes; ++j) {
-        d[j] += g[i + j] * x[i + j];
-        s[j] += g[i + j];
-      }
-    for (int64_t j = 0; j < kLanes; ++j) {
-      total_dot += d[j];
-      total += s[j];
+    FloatLanes<kLanes> d = {}, s = {};
+    for (int64_t i = start; i < end; i += kLanes) {
+      FloatLanes<kLanes> gi, xi;
+      load_lanes<kLanes>(gi, g + i);
+      load_lanes<kLanes>(xi, x + i);
+      d += gi * xi;
+      s += gi;
     }
+    total_dot += lanes_total<kLanes>(d);
+    total += lanes_total<kLanes>(s);
     start = end;
   }
   for (int64_t i = start; i < n; ++i) {

@@ -36,24 +36,28 @@ struct LayerNormGradWork {
 };
 
 // One row: its gradient, and its terms added to the task's column sums. The row's two sums are taken in kLanes
-// independent float accumulators (which the compiler keeps in vector registers).
+// independent float accumulators (FloatLanes, held in vector registers).
 constexpr int64_t kLanes = 16;
 
 KERNEL_CLONES void row_grad(const float* __restrict g, const float* __restrict x, const float* __restrict scale,
                             float mean, float invstd, float* __restrict out, float* __restrict scale_sums,
                             float* __restrict bias_sums, int64_t size) {
-  float sums[kLanes] = {}, dots[kLanes] = {};
+  FloatLanes<kLanes> sums = {}, dots = {};
   const int64_t whole = size / kLanes * kLanes;
-  for (int64_t start = 0; start < whole; start += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const int64_t i = start + j;
-      const float normalized = (x[i] - mean) * invstd;
-      const float scaled = g[i] * scale[i];
-      sums[j] += scaled;
-      dots[j] += scaled * normalized;
-      scale_sums[i] += g[i] * normalized;
-      bias_sums[i] += g[i];
-    }
+  for (int64_t start = 0; start < whole; start += kLanes) {
+    FloatLanes<kLanes> gi, xi, scale_i, scale_sum, bias_sum;
+    load_lanes<kLanes>(gi, g + start);
+    load_lanes<kLanes>(xi, x + start);
+    load_lanes<kLanes>(scale_i, scale + start);
+    load_lanes<kLanes>(scale_sum, scale_sums + start);
+    load_lanes<kLanes>(bias_sum, bias_sums + start);
+    const FloatLanes<kLanes> normalized = (xi - mean) * invstd;
+    const FloatLanes<kLanes> scaled = gi * scale_i;
+    sums += scaled;
+    dots += scaled * normalized;
+    store_lanes<kLanes>(scale_sums + start, scale_sum + gi * normalized);
+    store_lanes<kLanes>(bias_sums + start, bias_sum + gi);
+  }
   float sum = 0.0f, dot = 0.0f;
   for (int64_t j = 0; j < kLanes; ++j) {
     sum += sums[j];

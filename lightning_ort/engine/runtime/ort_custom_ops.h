@@ -113,6 +113,37 @@ extern const Api* api;
 #define KERNEL_CLONES
 #endif
 
+// kLanes float accumulators as one vector value (a GCC and Clang extension), for sums taken in independent lanes.
+// Each clone of KERNEL_CLONES holds it in its own vector registers. Accumulators in a float array are vectorized
+// or left scalar as the compiler's unrolling heuristics decide: GCC 12 kept 16-lane arrays scalar in some loops,
+// 5 to 8 times slower (docs/performance.md, "Sums in vector registers").
+template <int64_t kLanes>
+struct VectorOf {
+  typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
+};
+template <int64_t kLanes>
+using FloatLanes = typename VectorOf<kLanes>::type;
+
+// The kLanes floats at p (any alignment) into v.
+template <int64_t kLanes>
+inline void load_lanes(FloatLanes<kLanes>& v, const float* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+
+// v's lanes into the kLanes floats at p (any alignment).
+template <int64_t kLanes>
+inline void store_lanes(float* p, const FloatLanes<kLanes>& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// The sum of v's lanes in double, lane 0 first.
+template <int64_t kLanes>
+inline double lanes_total(const FloatLanes<kLanes>& v) {
+  double total = 0.0;
+  for (int64_t j = 0; j < kLanes; ++j) total += v[j];
+  return total;
+}
+
 // Returns early from the enclosing function with `call`'s status when it is an error.
 #define RETURN_IF_ERROR(call)               \
   do {                                      \
