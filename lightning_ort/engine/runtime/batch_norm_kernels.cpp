@@ -510,9 +510,11 @@ KERNEL_CLONES void plane_grad(const float* g, const float* x, const float* y, fl
 }
 
 template <int kClamp, bool kResidual>
-KERNEL_CLONES void row_grad(const float* g, const float* x, const float* y, float* out, float* out_z, int64_t n,
-                            const float* const* c, Bounds bounds) {
-  const float *a = c[kA], *b = c[kB], *mean = c[kMean], *shift = c[kShift], *k = c[kProjection], *scale = c[kScale];
+KERNEL_CLONES void row_grad(const float* __restrict g, const float* __restrict x, const float* __restrict y,
+                            float* __restrict out, float* __restrict out_z, int64_t n, const float* const* c,
+                            Bounds bounds) {
+  const float *__restrict a = c[kA], *__restrict b = c[kB], *__restrict mean = c[kMean];
+  const float *__restrict shift = c[kShift], *__restrict k = c[kProjection], *__restrict scale = c[kScale];
   for (int64_t i = 0; i < n; ++i) {
     const float gi = masked<kClamp, kResidual>(g, x, y, i, a[i], b[i], bounds);
     out[i] = (gi - shift[i] - (x[i] - mean[i]) * k[i]) * scale[i];
