@@ -312,19 +312,6 @@ def light_blocks(gm: torch.fx.GraphModule, min_flops: float) -> dict[str, float]
     Args:
         gm: a graph from TorchDynamo.
         min_flops: the forward work a block needs to keep graphs of its own.
-
-    Example:
-        >>> from lightning_ort.engine.capture.blocks import mark_blocks
-        >>> found = {}
-        >>> def backend(gm, example_inputs):
-        ...     found.update(light_blocks(gm, 1e9))
-        ...     inline_blocks(gm)
-        ...     return gm.forward
-        >>> model = nn.Sequential(*(nn.TransformerEncoderLayer(8, 2, 16) for _ in range(3)))
-        >>> _ = mark_blocks(model, [nn.TransformerEncoderLayer])
-        >>> _ = torch.compile(model, backend=backend)(torch.randn(4, 3, 8))
-        >>> [int(flops) for flops in found.values()]
-        [13824]
     """
     light: dict[str, float] = {}
     counted: set[str] = set()

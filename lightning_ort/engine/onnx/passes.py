@@ -12,6 +12,9 @@
 * :func:`subsample_images` (CPU graphs that use lightning_ort's kernels): a ``Slice`` that takes every s-th row
   and column of images runs as lightning_ort's ``Subsample`` kernel instead of ONNX Runtime's element-by-element
   copy.
+* :func:`transpose_in_kernel` (CPU graphs that use lightning_ort's kernels): a float32 ``Transpose`` of static
+  shape that is not a plain matrix transpose runs as lightning_ort's threaded ``Transpose`` kernel instead of
+  ONNX Runtime's single-threaded element-by-element copy.
 * :func:`split_gemm_bias` (CPU graphs): a ``Gemm`` with a bias becomes a product and an ``Add`` (ONNX Runtime's
   CPU ``Gemm`` broadcasts the bias into the whole output before the product).
 * :func:`fuse_transposed_operands`: ``MatMul(A, Transpose(B))`` with the last two axes of ``B`` swapped
@@ -48,7 +51,7 @@ import math
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -533,6 +536,60 @@ def subsample_images(model: onnx.ModelProto) -> int:
         graph.node[index].CopyFrom(subsample)
         rewritten += 1
     return rewritten
+
+
+def transpose_in_kernel(model: onnx.ModelProto) -> int:
+    """A float32 ``Transpose`` of static shape becomes lightning_ort's ``Transpose`` kernel
+    (``engine/runtime/transpose_kernels.cpp``), which spreads the copy over the session's threads; in place. Only
+    in graphs that already use lightning_ort's kernels (their sessions load the library anyway), and not for a
+    plain matrix transpose (axes of size 1 dropped and axes that stay adjacent merged, two axes swapped), which
+    ONNX Runtime's ``Transpose`` runs on MLAS's vector kernel, faster in a training step (see the performance
+    page). Returns the number of transposes rewritten.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4])
+        >>> node = helper.make_node("Transpose", ["x"], ["y"], "node_permute", perm=[0, 2, 1])
+        >>> opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]  # a graph with our kernels
+        >>> model = helper.make_model(helper.make_graph([node], "g", [x], []), opset_imports=opsets)
+        >>> transpose_in_kernel(model), [(n.domain, n.op_type) for n in model.graph.node]
+        (1, [('ai.lightning_ort', 'Transpose')])
+    """
+    if not uses_kernels(model):
+        return 0
+    graph = model.graph
+    values = _values(graph)
+    rewritten = 0
+    for index, node in enumerate(graph.node):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            continue
+        data = values.get(node.input[0])
+        if data is None or data.elem_type != onnx.TensorProto.FLOAT:
+            continue
+        dims = [size for size in data.dims if isinstance(size, int)]
+        perm = next((list(attr.ints) for attr in node.attribute if attr.name == "perm"), None)
+        if perm is None:
+            perm = list(reversed(range(len(dims))))
+        if len(dims) != len(data.dims) or len(perm) != len(dims) or _moved_axes(dims, perm) < 3:
+            continue
+        kernel = helper.make_node("Transpose", list(node.input), list(node.output), node.name, domain=DOMAIN, perm=perm)
+        graph.node[index].CopyFrom(kernel)
+        rewritten += 1
+    return rewritten
+
+
+def _moved_axes(dims: Sequence[int], perm: Sequence[int]) -> int:
+    """How many axes a transpose of ``dims`` by ``perm`` permutes once axes of size 1 are dropped and axes that stay
+    adjacent are merged: 0 or 1 for a copy, 2 for a matrix transpose.
+
+    Example:
+        >>> _moved_axes([2048, 256], [1, 0]), _moved_axes([4, 1, 8, 16], [0, 2, 1, 3])
+        (2, 1)
+        >>> _moved_axes([2, 3, 4], [1, 0, 2])
+        3
+    """
+    order = {axis: rank for rank, axis in enumerate(axis for axis in range(len(dims)) if dims[axis] != 1)}
+    kept = [order[axis] for axis in perm if axis in order]
+    return sum(1 for index, axis in enumerate(kept) if index == 0 or axis != kept[index - 1] + 1)
 
 
 def _image_subsample_steps(
@@ -1692,6 +1749,7 @@ PASSES = (
     OnnxPass("reshapes removed", collapse_reshapes),
     OnnxPass("slices of slices merged", merge_slices),
     OnnxPass("image subsamples in lightning_ort's kernel", subsample_images, _CPU),
+    OnnxPass("transposes in lightning_ort's kernel", transpose_in_kernel, _CPU),
     OnnxPass("unused initializers dropped", drop_unused_initializers),
 )
 """The rewrites of every exported graph, in order: reshapes are collapsed after the passes that add some, and

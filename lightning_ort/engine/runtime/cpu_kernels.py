@@ -2,7 +2,8 @@
 max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient, the
 subsampling of a strided projection's input and the blocking of convolution weights for ONNX Runtime's NCHWc
 kernels (``conv_kernels.cpp``), GELU's and SiLU's gradients (``activation_kernels.cpp``), layer norm's
-(``layer_norm_kernels.cpp``) and group norm, forward and gradient (``group_norm_kernels.cpp``), over the part of
+(``layer_norm_kernels.cpp``), group norm, forward and gradient (``group_norm_kernels.cpp``), and transposes
+(``transpose_kernels.cpp``), over the part of
 ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and registered by ``register_kernels.cpp``.
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
@@ -42,6 +43,7 @@ _SOURCES = [
         "activation_kernels.cpp",
         "layer_norm_kernels.cpp",
         "group_norm_kernels.cpp",
+        "transpose_kernels.cpp",
         "register_kernels.cpp",
     )
 ]

@@ -81,6 +81,7 @@ enum ApiEntry : size_t {
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
   kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelInfoGetAttributeArrayInt64 = 163,
   kGetBuildInfoString = 254,
   kKernelContextParallelFor = 274,
 };
@@ -223,6 +224,16 @@ inline OrtStatus* read_float(const OrtKernelInfo* info, const char* name, float*
                                                                                                          value);
 }
 
+// The ints attribute `name` into values: its length first, then its values.
+inline OrtStatus* read_ints(const OrtKernelInfo* info, const char* name, std::vector<int64_t>* values) {
+  using Read = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*, size_t*);
+  size_t size = 0;
+  RETURN_IF_ERROR(api->at<Read>(kKernelInfoGetAttributeArrayInt64)(info, name, nullptr, &size));
+  values->assign(size, 0);
+  if (size == 0) return nullptr;
+  return api->at<Read>(kKernelInfoGetAttributeArrayInt64)(info, name, values->data(), &size);
+}
+
 inline OrtStatus* read_int(const OrtKernelInfo* info, const char* name, int64_t* value) {
   return api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name,
                                                                                                            value);
@@ -268,5 +279,6 @@ const std::vector<OpDefinition>& conv_ops();
 const std::vector<OpDefinition>& activation_ops();
 const std::vector<OpDefinition>& layer_norm_ops();
 const std::vector<OpDefinition>& group_norm_ops();
+const std::vector<OpDefinition>& transpose_ops();
 
 }  // namespace lightning_ort_kernels
