@@ -560,16 +560,14 @@ def transpose_in_kernel(model: onnx.ModelProto) -> int:
     values = _values(graph)
     rewritten = 0
     for index, node in enumerate(graph.node):
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "Transpose" or not _in_default_domain(node):
             continue
         data = values.get(node.input[0])
-        if data is None or data.elem_type != onnx.TensorProto.FLOAT:
+        dims = data.static_shape if data is not None and data.elem_type == onnx.TensorProto.FLOAT else None
+        if dims is None:
             continue
-        dims = [size for size in data.dims if isinstance(size, int)]
-        perm = next((list(attr.ints) for attr in node.attribute if attr.name == "perm"), None)
-        if perm is None:
-            perm = list(reversed(range(len(dims))))
-        if len(dims) != len(data.dims) or len(perm) != len(dims) or _moved_axes(dims, perm) < 3:
+        perm = list(_attributes(node).get("perm", reversed(range(len(dims)))))
+        if len(perm) != len(dims) or _moved_axes(dims, perm) < 3:
             continue
         kernel = helper.make_node("Transpose", list(node.input), list(node.output), node.name, domain=DOMAIN, perm=perm)
         graph.node[index].CopyFrom(kernel)

@@ -264,11 +264,10 @@ KERNEL_CLONES void plane_sums(const float* p, int64_t n, double* sum, double* sq
         q[h] += v * v;
       }
     double run = 0.0, run_squares = 0.0;
-    for (int64_t h = 0; h < kSumVectors; ++h)
-      for (int64_t j = 0; j < kVectorLanes; ++j) {
-        run += s[h][j];
-        run_squares += q[h][j];
-      }
+    for (int64_t h = 0; h < kSumVectors; ++h) {
+      run = lanes_total<kVectorLanes>(s[h], run);
+      run_squares = lanes_total<kVectorLanes>(q[h], run_squares);
+    }
     total += run;
     total_squares += run_squares;
   }

@@ -137,10 +137,10 @@ inline void store_lanes(float* p, const FloatLanes<kLanes>& v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-// The sum of v's lanes in double, lane 0 first.
+// total plus v's lanes, added in double one by one, lane 0 first (so that the lanes of several vectors add up in
+// one chain).
 template <int64_t kLanes>
-inline double lanes_total(const FloatLanes<kLanes>& v) {
-  double total = 0.0;
+inline double lanes_total(const FloatLanes<kLanes>& v, double total = 0.0) {
   for (int64_t j = 0; j < kLanes; ++j) total += v[j];
   return total;
 }
