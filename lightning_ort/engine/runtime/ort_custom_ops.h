@@ -116,8 +116,8 @@ extern const Api* api;
 
 // kLanes float accumulators as one vector value (a GCC and Clang extension), for sums taken in independent lanes.
 // Each clone of KERNEL_CLONES holds it in its own vector registers. Accumulators in a float array are vectorized
-// or left scalar as the compiler's unrolling heuristics decide: GCC 12 kept 16-lane arrays scalar in some loops,
-// 5 to 8 times slower (docs/performance.md, "Sums in vector registers").
+// or left scalar as the compiler's unrolling heuristics decide: GCC 12 kept 16-lane arrays scalar in some loops
+// (docs/performance.md, "Sums in vector registers", has the measurements).
 template <int64_t kLanes>
 struct VectorOf {
   typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
