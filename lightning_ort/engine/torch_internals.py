@@ -147,6 +147,17 @@ def size_hint(size: int | torch.SymInt) -> int | None:
     return int(node.hint) if node.has_hint() else None
 
 
+def tensor_operands(op: OpOverload) -> list[bool]:
+    """For each positional argument of ``op``'s schema, whether it takes a tensor (``Tensor other`` of
+    ``aten.mul.Tensor``, not ``Scalar alpha`` of ``aten.add.Tensor``): ``OpOverload._schema``.
+
+    Example:
+        >>> tensor_operands(torch.ops.aten.add.Tensor)
+        [True, True, False]
+    """
+    return [isinstance(argument.type, torch.TensorType) for argument in op._schema.arguments]
+
+
 # The ONNX exporter (torch.onnx's dynamo path).
 (ONNX_DEFAULT_OPSET,) = require("torch.onnx._constants", "ONNX_DEFAULT_OPSET")
 

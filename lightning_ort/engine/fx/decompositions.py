@@ -52,7 +52,7 @@ from lightning_ort.engine.fx.distance import cdist_backward, cdist_forward
 from lightning_ort.engine.fx.gelu import gelu_backward
 from lightning_ort.engine.fx.grid_sample import grid_sampler_2d_backward
 from lightning_ort.engine.fx.group_norm import group_norm, group_norm_backward
-from lightning_ort.engine.fx.layer_norm import layer_norm_backward
+from lightning_ort.engine.fx.layer_norm import float64_layer_norm, layer_norm_backward
 from lightning_ort.engine.fx.precision import computed_in_float32
 from lightning_ort.engine.fx.scatter import index_put
 from lightning_ort.engine.fx.silu import silu_backward
@@ -1286,6 +1286,9 @@ def capture_decompositions(
     :func:`~lightning_ort.engine.fx.layer_norm.layer_norm_backward`,
     :mod:`~lightning_ort.engine.fx.group_norm`).
 
+    A float64 layer norm is decomposed (:func:`~lightning_ort.engine.fx.layer_norm.float64_layer_norm`), so that
+    its saved statistics stay float64.
+
     With ``attention_path="torch"`` SDPA's fused forward stays whole, as its backward does: a decomposed forward
     does not give the backward kernel the softmax statistics it expects.
 
@@ -1345,6 +1348,7 @@ def capture_decompositions(
         ),
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,
+        aten.native_layer_norm.default: float64_layer_norm,
         **(_CPU_ONLY if device_type == "cpu" else {}),
         **(_CPU_KERNELS if device_type == "cpu" and cpu_kernels else {}),
     }

@@ -22,6 +22,7 @@ from lightning_ort.engine.torch_internals import get_decompositions
 
 aten = torch.ops.aten
 _DECOMPOSED = get_decompositions([aten.native_layer_norm_backward])[aten.native_layer_norm_backward.default]
+_DECOMPOSED_FORWARD = get_decompositions([aten.native_layer_norm])[aten.native_layer_norm.default]
 
 
 @torch.library.custom_op("lightning_ort::layer_norm_backward", mutates_args=())
@@ -56,6 +57,33 @@ def _layer_norm_backward_fake(
 
 LAYER_NORM_BACKWARD = torch.ops.lightning_ort.layer_norm_backward.default
 """The op :func:`layer_norm_backward` records in captured graphs."""
+
+
+def float64_layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | object:
+    """A float64 layer norm as reductions and elementwise ops (PyTorch's decomposition); ``NotImplemented`` for
+    other dtypes, which stay one ``aten.native_layer_norm``.
+
+    ONNX's ``LayerNormalization`` keeps the mean and inverse standard deviation it returns for the backward in
+    its ``stash_type``, float32 as ``torch.onnx`` writes it, and ONNX Runtime has no kernel with a float64
+    stash: a float64 model's layer-norm gradients would be float32-accurate (1e-8 relative) only.
+
+    Example:
+        >>> x, w, b = torch.randn(3, 5, dtype=torch.float64), torch.rand(5).double(), torch.randn(5).double()
+        >>> ours = float64_layer_norm(x, [5], w, b, 1e-5)
+        >>> all(torch.allclose(a, e) for a, e in zip(ours, aten.native_layer_norm(x, [5], w, b, 1e-5)))
+        True
+        >>> float64_layer_norm(x.float(), [5], w.float(), b.float(), 1e-5) is NotImplemented
+        True
+    """
+    if input.dtype != torch.float64:
+        return NotImplemented
+    return _DECOMPOSED_FORWARD(input, normalized_shape, weight, bias, eps)
 
 
 def layer_norm_backward(

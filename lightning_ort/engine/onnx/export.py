@@ -42,13 +42,16 @@ from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.custom_ops import CUSTOM_TRANSLATIONS
 from lightning_ort.engine.onnx.passes import (
     PASSES,
+    cast_outputs_to,
     simplify,
 )
 from lightning_ort.engine.torch_internals import (
     EXPORTER_STEPS,
     ONNX_DEFAULT_OPSET,
     FloorDiv,
+    OpOverload,
     detect_fake_mode,
+    tensor_operands,
     tracing,
     unset_fake_temporarily,
     untranslated_op,
@@ -59,6 +62,21 @@ from lightning_ort.logs import ScopedFilter, get_logger
 log = get_logger(__name__)
 
 aten = torch.ops.aten
+
+
+ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.int16: onnx.TensorProto.INT16,
+    torch.int8: onnx.TensorProto.INT8,
+    torch.uint8: onnx.TensorProto.UINT8,
+    torch.bool: onnx.TensorProto.BOOL,
+}
+"""The ONNX element type of each PyTorch dtype a graph's inputs and outputs may have."""
 
 
 @dataclass
@@ -107,6 +125,7 @@ def export_graph(
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         noise, noise_examples = lift_random_ops(gm, device)
     layout, outputs = normalise_outputs(gm, views_from)
+    _float64_scalars_as_constants(gm)
     gm.recompile()
     inputs: tuple[Any, ...] = (*tensor_inputs, *noise_examples)
     dynamic_shapes = None
@@ -131,6 +150,7 @@ def export_graph(
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
+    cast_outputs_to(model, [ONNX_ELEMENT_TYPES[spec.dtype] for spec in outputs])
     done = {step.done: step.rewrite(model) for step in PASSES if device.type in step.devices}
     log.debug(
         "exported %s graph: %d nodes (%s), %d inputs, %d outputs",
@@ -141,6 +161,43 @@ def export_graph(
         len(outputs),
     )
     return ExportedGraph(name, model, noise, outputs, layout, _size_symbols(tensor_inputs), dropped, carried)
+
+
+def _float64_scalars_as_constants(gm: torch.fx.GraphModule) -> int:
+    """Make each Python float that an op on float64 tensors reads as a tensor operand a float64 constant of
+    ``gm``, in place; returns how many.
+
+    ``torch.onnx`` writes such a float (``x * 8 ** -0.25`` in attention, GELU's ``1 / sqrt(2)``) as a float32
+    constant cast to the tensor's type, so a float64 model would compute with its float32 rounding, 1e-8 off
+    where float64 is good to 1e-16. A tensor constant keeps its type and value. Floats that float32 holds
+    exactly, and those in ``Scalar`` positions (whose schema takes no tensor), are left as they are.
+    """
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
+            continue
+        reads_float64 = any(
+            isinstance(arg, torch.fx.Node)
+            and isinstance(arg.meta.get("val"), torch.Tensor)
+            and arg.meta["val"].dtype == torch.float64
+            for arg in node.args
+        )
+        if not reads_float64:
+            continue
+        args = list(node.args)
+        for index, (arg, tensor_operand) in enumerate(zip(node.args, tensor_operands(node.target))):
+            if not isinstance(arg, float) or not tensor_operand:
+                continue
+            if float(torch.tensor(arg, dtype=torch.float32)) == arg:
+                continue
+            name = f"lightning_ort_float64_{replaced}"
+            with unset_fake_temporarily():  # a real tensor, exported as an initializer, also under the capture
+                gm.register_buffer(name, torch.tensor(arg, dtype=torch.float64))
+            with gm.graph.inserting_before(node):
+                args[index] = gm.graph.get_attr(name)
+            replaced += 1
+        node.args = tuple(args)
+    return replaced
 
 
 def _size_symbols(values: Sequence[Any]) -> Symbols:

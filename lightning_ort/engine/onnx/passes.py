@@ -2,6 +2,8 @@
 
 * :func:`simplify`: inlining, constant folding and dead-code removal, as ``torch.onnx``'s optimizer does, without
   its pattern rewriter.
+* :func:`cast_outputs_to` (every graph, before the rest): outputs the exporter computes in another type than
+  PyTorch's graph gives them (a ``bfloat16`` sum, widened to float32) are cast to PyTorch's type.
 * :func:`compute_bfloat16_in_float` (CPU graphs): ``bfloat16`` ops (autocast) computed in float32, for which
   ONNX Runtime's CPU provider has kernels; casts to ``bfloat16`` still round.
 * :func:`drop_identity_casts`: casts to the type their input already has (autocast's float32 casts of gradients
@@ -175,6 +177,46 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
     if not any(opset.domain == _MICROSOFT for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(_MICROSOFT, 1))
     return rewritten
+
+
+def cast_outputs_to(model: onnx.ModelProto, element_types: Sequence[int]) -> int:
+    """Cast each graph output whose declared ONNX type is not ``element_types[i]`` to it, in place.
+
+    ``torch.onnx`` translates some ops on 16-bit floats by widening them and may leave the result wide: a
+    ``bfloat16`` model's bias gradient, ``aten.sum`` of a ``bfloat16`` tensor, leaves as a float32 ``ReduceSum``.
+    ONNX Runtime would then return float32 memory where PyTorch's graph expects ``bfloat16`` values. The output's
+    producer writes a value of its own instead, and a ``Cast`` writes the output in PyTorch's type. Returns the
+    number of outputs cast.
+
+    Example:
+        >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
+        >>> y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
+        >>> model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
+        >>> cast_outputs_to(model, [onnx.TensorProto.BFLOAT16]), [n.op_type for n in model.graph.node]
+        (1, ['Relu', 'Cast'])
+        >>> model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+        True
+    """
+    graph = model.graph
+    producers = {name: node for node in graph.node for name in node.output}
+    casts: list[onnx.NodeProto] = []
+    for output, element_type in zip(graph.output, element_types):
+        declared = output.type.tensor_type
+        producer = producers.get(output.name)
+        if declared.elem_type == element_type or producer is None:
+            continue
+        exported = f"{output.name}_as_exported"
+        producer.output[list(producer.output).index(output.name)] = exported
+        for node in graph.node:
+            node.input[:] = [exported if name == output.name else name for name in node.input]
+        wide = onnx.ValueInfoProto()
+        wide.CopyFrom(output)
+        wide.name = exported
+        graph.value_info.append(wide)
+        declared.elem_type = element_type
+        casts.append(helper.make_node("Cast", [exported], [output.name], f"{output.name}_cast", to=element_type))
+    graph.node.extend(casts)
+    return len(casts)
 
 
 def compute_bfloat16_in_float(model: onnx.ModelProto) -> int:

@@ -25,7 +25,7 @@ from lightning_ort.engine.fx.dynamic import evaluate
 from lightning_ort.engine.fx.layout import OutputSpec
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.constant_outputs import ConstantSplit, split_constant_outputs
-from lightning_ort.engine.onnx.export import ExportedGraph, save_model
+from lightning_ort.engine.onnx.export import ONNX_ELEMENT_TYPES, ExportedGraph, save_model
 from lightning_ort.engine.onnx.passes import DISABLED_ORT_OPTIMIZERS
 from lightning_ort.engine.ort_internals import (
     CDevice,
@@ -52,20 +52,6 @@ RELEASE_MIN_RUN_S = 1e-3
 Releasing ends the threads, and PyTorch's next parallel operator starts them again, which costs more than a
 sub-millisecond run loses to threads still spinning beside it. A graph's first run always releases.
 """
-
-
-_ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
-    torch.float32: onnx.TensorProto.FLOAT,
-    torch.float16: onnx.TensorProto.FLOAT16,
-    torch.bfloat16: onnx.TensorProto.BFLOAT16,
-    torch.float64: onnx.TensorProto.DOUBLE,
-    torch.int64: onnx.TensorProto.INT64,
-    torch.int32: onnx.TensorProto.INT32,
-    torch.int16: onnx.TensorProto.INT16,
-    torch.int8: onnx.TensorProto.INT8,
-    torch.uint8: onnx.TensorProto.UINT8,
-    torch.bool: onnx.TensorProto.BOOL,
-}
 
 
 CUDA_STREAM_LEGACY = 1
@@ -497,8 +483,18 @@ def _run_stream(
 
 def _from_onnx_runtime(values: OrtValueVector, specs: Sequence[OutputSpec]) -> list[torch.Tensor]:
     """A run's outputs as PyTorch tensors sharing their memory (DLPack carries booleans as uint8)."""
-    tensors = values.to_dlpacks(torch.utils.dlpack.from_dlpack)
-    return [t if t.dtype == spec.dtype else t.view(spec.dtype) for t, spec in zip(tensors, specs)]
+    tensors = list(values.to_dlpacks(torch.utils.dlpack.from_dlpack))
+    for index, (tensor, spec) in enumerate(zip(tensors, specs)):
+        if tensor.dtype == spec.dtype:
+            continue
+        if (tensor.dtype, spec.dtype) != (torch.uint8, torch.bool):
+            raise SessionError(
+                f"ONNX Runtime returned a {tensor.dtype} tensor as output {index}, where PyTorch's graph gives a "
+                f"{spec.dtype} one. Run with DebugOptions(save_onnx=True, onnx_prefix='model') and report the "
+                "saved model."
+            )
+        tensors[index] = tensor.view(torch.bool)
+    return tensors
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -512,7 +508,7 @@ def _ort_device(device: torch.device) -> CDevice:
 
 
 def _bind(bind: Any, name: str, tensor: torch.Tensor) -> None:
-    element_type = _ONNX_ELEMENT_TYPES.get(tensor.dtype)
+    element_type = ONNX_ELEMENT_TYPES.get(tensor.dtype)
     if element_type is None:
         raise TypeError(f"ORTModule cannot pass a {tensor.dtype} tensor ({name}) to ONNX Runtime.")
     bind(name, _ort_device(tensor.device), element_type, tensor.shape, tensor.data_ptr())
