@@ -147,7 +147,7 @@ def size_hint(size: int | torch.SymInt) -> int | None:
     return int(node.hint) if node.has_hint() else None
 
 
-def tensor_operands(op: OpOverload) -> list[bool]:
+def tensor_operands(op: Any) -> list[bool]:
     """For each positional argument of ``op``'s schema, whether it takes a tensor (``Tensor other`` of
     ``aten.mul.Tensor``, not ``Scalar alpha`` of ``aten.add.Tensor``): ``OpOverload._schema``.
 

@@ -102,6 +102,20 @@ class LSTMTagger(nn.Module):
         return self.head(hidden)
 
 
+class LSTMForecaster(nn.Module):
+    """A 2-layer LSTM over raw feature sequences (data, needing no gradient: PyTorch decomposes the first layer
+    differently from the second), regressing the next value from the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, series: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(series)
+        return self.head(hidden[:, -1])
+
+
 class GRUClassifier(nn.Module):
     """A GRU over feature sequences; the last hidden state is classified."""
 
@@ -339,6 +353,7 @@ ARCHITECTURES = [
     Case("depthwise_separable_conv", DepthwiseSeparable, lambda g: ((_randn(g, 4, 3, 16, 16),), {})),
     Case("unet_upsample_concat", UNet, lambda g: ((_randn(g, 2, 3, 16, 16),), {})),
     Case("lstm_bidirectional", LSTMTagger, lambda g: ((_tokens(g, 40, 3, 7),), {})),
+    Case("lstm_on_features", LSTMForecaster, lambda g: ((torch.randn(4, 9, 6, generator=g),), {})),
     Case("gru", GRUClassifier, lambda g: ((_randn(g, 3, 6, 12),), {})),
     Case("transformer_pre_norm", lambda: EncoderClassifier(norm_first=True), _encoder_inputs),
     Case("transformer_post_norm", lambda: EncoderClassifier(norm_first=False), _encoder_inputs),

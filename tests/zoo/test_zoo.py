@@ -34,7 +34,7 @@ def test_architecture_trains_like_eager(case: Case, record_property: Callable[[s
     assert result.correct, f"{case.name}: output error {result.output_error:.2e}, grad error {result.grad_error:.2e}"
 
 
-RECURRENT = {"lstm_bidirectional", "gru"}
+RECURRENT = {"lstm_bidirectional", "lstm_on_features", "gru"}
 """Architectures built on ``nn.LSTM``/``nn.GRU``, which TorchDynamo traces only from torch 2.13."""
 
 

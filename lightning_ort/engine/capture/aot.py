@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
+from torch.backends.mkldnn import flags as mkldnn_flags
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.capture.blocks import BLOCK_FLOPS, BlockGraphs, has_blocks, inline_blocks, light_blocks
@@ -170,7 +171,11 @@ class CapturedGraph:
             # translation, and their auxiliary outputs do not survive the export. Under attention="torch" the
             # fused kernels run in PyTorch, forward and backward.
             kernels = sdpa_kernel(SDPBackend.MATH) if attention_path == "onnx" else contextlib.nullcontext()
-            with kernels, _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
+            # PyTorch decomposes an LSTM layer whose input needs no gradient (a first layer fed data) into oneDNN's
+            # inference-only RNN op where oneDNN is on: its backward needs a workspace that op does not write,
+            # and ONNX has no translation for it. With oneDNN off every layer becomes gate products and
+            # activations, as layers whose input needs a gradient already do.
+            with kernels, mkldnn_flags(enabled=False), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
                 compiled = self._compile_with_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
