@@ -194,6 +194,23 @@ def test_bf16_mixed_trains_like_plain_lightning_in_onnx_runtime_on_cpu(tmp_path:
     assert model.trainer.callback_metrics["ort/onnx_runtime_share"] == 1
 
 
+@pytest.mark.parametrize(("precision", "rtol"), [("bf16-true", 2e-2), ("16-true", 2e-3), ("64-true", 1e-9)])
+def test_true_precision_trains_like_plain_lightning(precision: str, rtol: float, tmp_path: Path) -> None:
+    """``precision="bf16-true"`` and ``"16-true"`` convert the model's parameters to 16 bits, ``"64-true"`` to
+    float64: every gradient comes back in its parameter's dtype, and each step's loss is plain Lightning's."""
+    losses: dict[str, list[float]] = {}
+    for name, callbacks in (("plain", []), ("ort", [ORTCallback()])):
+        pl.seed_everything(0)
+        model = TinyTransformerLM()
+        recorder = LossRecorder()
+        _trainer(tmp_path / name, [*callbacks, recorder], precision=precision, max_steps=3).fit(model)
+        losses[name] = recorder.losses
+    for step, (ort, plain) in enumerate(zip(losses["ort"], losses["plain"], strict=True)):
+        assert abs(ort - plain) <= rtol * abs(plain), f"step {step}: ORT {ort} vs plain Lightning {plain}"
+    assert isinstance(model.net, ORTModule)
+    assert model.net.statistics.backward_runs == 3 * 2, "3 steps, the block graph of 2 layers each"
+
+
 class LossRecorder(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
