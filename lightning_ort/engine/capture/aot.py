@@ -20,12 +20,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
-from torch.backends.mkldnn import flags as mkldnn_flags
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_ort.engine.capture.blocks import BLOCK_FLOPS, BlockGraphs, has_blocks, inline_blocks, light_blocks
@@ -98,6 +97,17 @@ class GraphNames:
             self._numbers[mode] = sum(inference == mode[1] for _, inference in self._numbers)
         number = self._numbers[mode]
         return f"{kind}_{number}" if number else kind
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Iterator[None]:
+    """``torch.backends.mkldnn.enabled`` off, and nothing else of oneDNN's settings changed, for the block."""
+    enabled = bool(torch.backends.mkldnn.enabled)
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a property of the module: sets the flag
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled  # type: ignore[assignment]
 
 
 class CapturedGraph:
@@ -175,7 +185,7 @@ class CapturedGraph:
             # inference-only RNN op where oneDNN is on: its backward needs a workspace that op does not write,
             # and ONNX has no translation for it. With oneDNN off every layer becomes gate products and
             # activations, as layers whose input needs a gradient already do.
-            with kernels, mkldnn_flags(enabled=False), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
+            with kernels, _onednn_off(), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
                 compiled = self._compile_with_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the

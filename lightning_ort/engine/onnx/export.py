@@ -150,7 +150,7 @@ def export_graph(
             f"The exported {name} graph has {len(model.graph.input)} inputs/{len(model.graph.output)} outputs, "
             f"expected {len(inputs)}/{len(outputs)}. Please report this with save_onnx=True output attached."
         )
-    cast_outputs_to(model, [ONNX_ELEMENT_TYPES[spec.dtype] for spec in outputs])
+    cast_outputs_to(model, [ONNX_ELEMENT_TYPES.get(spec.dtype) for spec in outputs])
     done = {step.done: step.rewrite(model) for step in PASSES if device.type in step.devices}
     log.debug(
         "exported %s graph: %d nodes (%s), %d inputs, %d outputs",
@@ -188,10 +188,10 @@ def _float64_scalars_as_constants(gm: torch.fx.GraphModule) -> int:
         for index, (arg, tensor_operand) in enumerate(zip(node.args, tensor_operands(node.target))):
             if not isinstance(arg, float) or not tensor_operand:
                 continue
-            if float(torch.tensor(arg, dtype=torch.float32)) == arg:
-                continue
-            name = f"lightning_ort_float64_{replaced}"
-            with unset_fake_temporarily():  # a real tensor, exported as an initializer, also under the capture
+            with unset_fake_temporarily():  # real tensors, also under the capture: the constant is an initializer
+                if float(torch.tensor(arg, dtype=torch.float32)) == arg:
+                    continue
+                name = f"lightning_ort_float64_{replaced}"
                 gm.register_buffer(name, torch.tensor(arg, dtype=torch.float64))
             with gm.graph.inserting_before(node):
                 args[index] = gm.graph.get_attr(name)

@@ -179,8 +179,9 @@ def fuse_transposed_operands(model: onnx.ModelProto) -> int:
     return rewritten
 
 
-def cast_outputs_to(model: onnx.ModelProto, element_types: Sequence[int]) -> int:
-    """Cast each graph output whose declared ONNX type is not ``element_types[i]`` to it, in place.
+def cast_outputs_to(model: onnx.ModelProto, element_types: Sequence[int | None]) -> int:
+    """Cast each graph output whose declared ONNX type is not ``element_types[i]`` to it, in place (``None``:
+    leave that output as it is).
 
     ``torch.onnx`` translates some ops on 16-bit floats by widening them and may leave the result wide: a
     ``bfloat16`` model's bias gradient, ``aten.sum`` of a ``bfloat16`` tensor, leaves as a float32 ``ReduceSum``.
@@ -203,7 +204,7 @@ def cast_outputs_to(model: onnx.ModelProto, element_types: Sequence[int]) -> int
     for output, element_type in zip(graph.output, element_types):
         declared = output.type.tensor_type
         producer = producers.get(output.name)
-        if declared.elem_type == element_type or producer is None:
+        if element_type is None or declared.elem_type == element_type or producer is None:
             continue
         exported = f"{output.name}_as_exported"
         producer.output[list(producer.output).index(output.name)] = exported
