@@ -409,8 +409,13 @@ class ORTModule(nn.Module):
         self._compile(self._backend)
 
     @override
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring)."""
+        """Run the wrapped module's forward through TorchDynamo and ONNX Runtime (see the class docstring).
+
+        Under an outer ``torch.compile`` this call is a graph break: the code around it is compiled, and the
+        wrapped module is captured by ORTModule's own TorchDynamo, not traced again into the outer graph.
+        """
         graphs = self._backend.build_log.counts.graphs
         self._called = True
         if self._dynamic_axes is not None:

@@ -122,6 +122,35 @@ def test_attribute_access_falls_back_to_the_wrapped_module() -> None:
     assert ORTModule(model).hidden_size == 32
 
 
+class _Around(nn.Module):
+    """Code of the caller's own around an ORTModule: what an outer ``torch.compile`` compiles."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.tanh(self.pre(x))) * 2
+
+
+def test_an_outer_torch_compile_compiles_around_the_wrapped_module() -> None:
+    torch.manual_seed(0)
+    eager = _Around(MLP())
+    wrapped = ORTModule(copy.deepcopy(eager.body))
+    outer = _Around(wrapped)
+    outer.pre.load_state_dict(eager.pre.state_dict())
+    compiled = torch.compile(outer)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        eager(x).sum().backward()
+        compiled(x).sum().backward()
+    for (name, expected), actual in zip(eager.named_parameters(), outer.parameters(), strict=True):
+        torch.testing.assert_close(actual.grad, expected.grad, msg=lambda m, n=name: f"{n}: {m}")
+    stats = wrapped.statistics
+    assert (stats.forward_runs, stats.backward_runs, stats.graphs) == (2, 2, 1)
+
+
 def test_capture_and_export_leave_the_rng_state_alone() -> None:
     wrapped = ORTModule(ConvBN())
     torch.manual_seed(123)
