@@ -266,7 +266,21 @@ def _check_file(
                     log.info("%s: eager PyTorch does not take its symbolic axes at size %d; not checked", owner, size)
                 else:
                     runs.append((edge, output[0]))
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as error:  # ONNX Runtime raises its own types: no kernel, an invalid graph
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()} - {"float32"})
+        hint = (
+            f" ONNX Runtime's CPU provider has few kernels for {', '.join(dtypes)} parameters: export a float32 copy "
+            "for CPU deployment (`copy.deepcopy(model).float()`), or"
+            if dtypes
+            else " Please report this with the file attached, or"
+        )
+        raise ExportError(
+            f"{owner}: ONNX Runtime's CPU provider cannot load the exported file, so it was not checked against "
+            f"eager PyTorch: {first_line(error)}.{hint} pass check=False to write it unchecked, for a provider "
+            "that has these kernels."
+        ) from error
     largest = max(_check(session, path, run, reference, outputs, owner) for run, reference in runs)
     return largest, tuple(run.shapes for run, _ in runs)
 

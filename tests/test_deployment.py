@@ -425,3 +425,16 @@ def test_a_bad_path_fails_before_any_export(
         export_for_deployment(Pair(), target, (torch.randn(2, 4),))
     with pytest.raises(ValueError, match=r"path='.*' is a folder; pass the path of the .onnx file"):
         export_for_deployment(Pair(), tmp_path, (torch.randn(2, 4),))
+
+
+def test_a_bfloat16_model_the_cpu_provider_cannot_load_says_how_to_deploy_it(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    target = tmp_path / "model.onnx"
+    with pytest.raises(ExportError, match=r"cannot load the exported file.*float32 copy.*check=False") as caught:
+        export_for_deployment(model, target, (x,))
+    assert "bfloat16 parameters" in str(caught.value)
+    assert not target.exists(), "an unchecked file must not be left in place"
+    unchecked = export_for_deployment(model, target, (x,), check=False)
+    assert unchecked.max_error is None and target.exists()
+    onnx.checker.check_model(str(target))
