@@ -58,6 +58,10 @@ from lightning_ort.options import (
 log = get_logger(__name__)
 
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+_METHODS_OF_THE_WRAPPED = frozenset({"generate"})
+"""Methods of the model's class that stay bound to the wrapped model, not to the wrapper: Hugging Face's
+``generate`` looks its decoding methods up on ``type(self)`` and calls the model once per new token with a
+growing cache, a new shape each time, which eager PyTorch runs without building a graph per length."""
 _OWN_STATE = frozenset(
     {
         "_original_module",
@@ -583,7 +587,8 @@ class ORTModule(nn.Module):
         """The wrapped module's attribute; its own methods come bound to the wrapper.
 
         A method of the model's class (not of ``nn.Module``) that calls ``self(...)`` then runs through ONNX
-        Runtime, as it did under onnxruntime-training's ORTModule.
+        Runtime, as it did under onnxruntime-training's ORTModule. Hugging Face's ``generate`` stays bound to the
+        wrapped model and runs in PyTorch (:data:`_METHODS_OF_THE_WRAPPED`).
         """
         try:
             return super().__getattr__(name)
@@ -592,6 +597,8 @@ class ORTModule(nn.Module):
             if original is None:
                 raise
             value = getattr(original, name)
+            if name in _METHODS_OF_THE_WRAPPED:
+                return value
             if isinstance(value, types.MethodType) and value.__self__ is original and not hasattr(nn.Module, name):
                 return types.MethodType(value.__func__, self)
             return value

@@ -56,3 +56,21 @@ def test_profiled_step_runs_no_matrix_product_in_pytorch(name: str) -> None:
     assert after.cache_misses == before.cache_misses
     ran = {event.name for event in profile.events()}
     assert not ran & MATRIX_PRODUCTS, sorted(ran & MATRIX_PRODUCTS)
+
+
+def test_generate_on_the_wrapper_runs_the_trained_model_in_pytorch() -> None:
+    """``generate`` looks its decoding methods up on ``type(self)`` and calls the model once per new token: it
+    stays the wrapped model's, and a model trained through ONNX Runtime generates what eager generates."""
+    case = next(c for c in HF_CASES if c.name == "hf_gpt2")
+    torch.manual_seed(0)
+    wrapped = ORTModule(case.make_model().train())
+    _, kwargs = case.make_inputs(torch.Generator().manual_seed(1))
+    wrapped(**kwargs).loss.backward()
+    runs = (wrapped.statistics.forward_runs, wrapped.statistics.backward_runs)
+    wrapped.eval()
+    prompt = kwargs["input_ids"][:, :4]
+    settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    generated = wrapped.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    expected = wrapped.module.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+    assert torch.equal(generated, expected) and generated.shape == (prompt.shape[0], 9)
+    assert (wrapped.statistics.forward_runs, wrapped.statistics.backward_runs) == runs
