@@ -58,10 +58,6 @@ from lightning_ort.options import (
 log = get_logger(__name__)
 
 _SHARED_STATE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-_METHODS_OF_THE_WRAPPED = frozenset({"generate"})
-"""Methods of the model's class that stay bound to the wrapped model, not to the wrapper: Hugging Face's
-``generate`` looks its decoding methods up on ``type(self)`` and calls the model once per new token with a
-growing cache, a new shape each time, which eager PyTorch runs without building a graph per length."""
 _OWN_STATE = frozenset(
     {
         "_original_module",
@@ -79,6 +75,17 @@ _OWN_STATE = frozenset(
     }
 )
 """Attributes the wrapper keeps for itself; setting any other attribute sets it on the wrapped module."""
+
+
+def _stays_with_the_wrapped(module: nn.Module, name: str) -> bool:
+    """Whether method ``name`` of ``module`` stays bound to it rather than to its wrapper: ``generate`` of a Hugging
+    Face model (a ``transformers`` ``GenerationMixin``). It looks its decoding methods up on ``type(self)``, and
+    calls the model once per new token with a growing cache, a new shape each time, which eager PyTorch runs
+    without building a graph per length.
+    """
+    return name == "generate" and any(
+        cls.__name__ == "GenerationMixin" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
+    )
 
 
 class ORTModule(nn.Module):
@@ -588,7 +595,7 @@ class ORTModule(nn.Module):
 
         A method of the model's class (not of ``nn.Module``) that calls ``self(...)`` then runs through ONNX
         Runtime, as it did under onnxruntime-training's ORTModule. Hugging Face's ``generate`` stays bound to the
-        wrapped model and runs in PyTorch (:data:`_METHODS_OF_THE_WRAPPED`).
+        wrapped model and runs in PyTorch (:func:`_stays_with_the_wrapped`).
         """
         try:
             return super().__getattr__(name)
@@ -597,7 +604,7 @@ class ORTModule(nn.Module):
             if original is None:
                 raise
             value = getattr(original, name)
-            if name in _METHODS_OF_THE_WRAPPED:
+            if _stays_with_the_wrapped(original, name):
                 return value
             if isinstance(value, types.MethodType) and value.__self__ is original and not hasattr(nn.Module, name):
                 return types.MethodType(value.__func__, self)

@@ -122,6 +122,24 @@ def test_attribute_access_falls_back_to_the_wrapped_module() -> None:
     assert ORTModule(model).hidden_size == 32
 
 
+class _Sampler(MLP):
+    """A model with a ``generate`` of its own (not Hugging Face's) that calls ``self``."""
+
+    def generate(self, x: torch.Tensor, steps: int) -> torch.Tensor:
+        for _ in range(steps):
+            x = torch.cat([x[:, 4:], self(x)], dim=1)
+        return x
+
+
+def test_a_models_own_methods_call_the_wrapper() -> None:
+    wrapped = ORTModule(_Sampler())
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        generated = wrapped.generate(x, steps=3)
+        torch.testing.assert_close(generated, wrapped.module.generate(x, steps=3))
+    assert wrapped.statistics.forward_runs == 3, "each self(x) inside the model's method runs in ONNX Runtime"
+
+
 class _Around(nn.Module):
     """Code of the caller's own around an ORTModule: what an outer ``torch.compile`` compiles."""
 
