@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ort import ORTModule
+from lightning_ort import FallbackWarning, ORTModule
 from lightning_ort.engine.onnx import export
 from lightning_ort.errors import SessionError
 from tests.helpers import float64_drift, leaf_tensors, weighted_loss
@@ -96,3 +96,22 @@ def test_an_output_of_another_type_than_pytorch_gives_is_refused(monkeypatch: py
     output = wrapped(torch.randn(8, 16, dtype=torch.bfloat16))
     with pytest.raises(SessionError, match=r"returned a torch.float32 tensor as output \d+, where PyTorch's graph"):
         output.float().sum().backward()
+
+
+def test_float16_autocast_on_cpu_with_an_op_left_to_pytorch() -> None:
+    """ONNX Runtime's CPU provider has no float16 layer norm, so under CPU float16 autocast it runs in PyTorch,
+    whose kernel returns float32 statistics where the traced graph says float16: the backward graph, exported
+    from the trace, must still get float16."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 2))
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.warns(FallbackWarning, match="native_layer_norm"):
+        expected, actual = eager(x), wrapped(x)
+    assert actual.dtype == expected.dtype == torch.float16
+    expected.float().pow(2).sum().backward()
+    actual.float().pow(2).sum().backward()
+    for (name, e), a in zip(eager.named_parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, e.grad, rtol=2e-2, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+    stats = wrapped.statistics
+    assert (stats.forward_runs, stats.backward_runs, stats.fallback_ops) == (1, 1, 1)

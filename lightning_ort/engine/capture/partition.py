@@ -265,6 +265,7 @@ class PartitionedGraph:
         self.name = name
         self.fallback_ops = fallback_ops
         self.runs = 0
+        self._dtypes = _traced_dtypes(gm)
 
     @property
     def providers(self) -> list[str]:
@@ -283,7 +284,28 @@ class PartitionedGraph:
         outputs = self._gm(*inputs)
         if self._sessions:  # a graph of block calls and glue alone ran nothing in ONNX Runtime itself
             self.runs += 1
-        return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        values = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return [
+            value.to(dtype) if dtype is not None and isinstance(value, torch.Tensor) and value.dtype != dtype else value
+            for value, dtype in zip(values, self._dtypes)
+        ]
+
+
+def _traced_dtypes(gm: torch.fx.GraphModule) -> list[torch.dtype | None]:
+    """The dtype each output of ``gm`` was traced with (``None`` for a non-tensor output).
+
+    An op left to PyTorch may return another dtype than its traced (meta) one: the CPU layer norm of a float16
+    tensor returns float32 statistics where the trace says float16. The graph reading them next (the backward
+    graph, exported from the trace) takes the traced dtype only.
+    """
+    returned = gm.graph.output_node().args[0]
+    values = returned if isinstance(returned, (list, tuple)) else [returned]
+    return [
+        value.meta["val"].dtype
+        if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
+        else None
+        for value in values
+    ]
 
 
 class _NodeSupport(OperatorSupportBase):
