@@ -1,6 +1,6 @@
-"""lightning_ort leaves the process as it found it: torch's configuration and MHA fast-path switch, warnings
-filters, loggers' levels, handlers and filters, ``sys.meta_path``, and, after ``torch._dynamo.reset()``, no graphs
-or sessions; two models train from two threads at once."""
+"""lightning_ort leaves the process as it found it: torch's configuration, MHA fast-path switch and oneDNN
+settings, warnings filters, loggers' levels, handlers and filters, ``sys.meta_path``, and, after
+``torch._dynamo.reset()``, no graphs or sessions; two models train from two threads at once."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def _globals() -> tuple[object, ...]:
         torch.backends.mha.get_fastpath_enabled(),
         list(warnings.filters),
         list(sys.meta_path),
+        (torch.backends.mkldnn.enabled, torch.backends.mkldnn.deterministic, torch.backends.mkldnn.allow_tf32),
     )
 
 

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +156,27 @@ def tensor_operands(op: Any) -> list[bool]:
         [True, True, False]
     """
     return [isinstance(argument.type, torch.TensorType) for argument in op._schema.arguments]
+
+
+@contextlib.contextmanager
+def onednn_off() -> Iterator[None]:
+    """oneDNN off for the block, and none of its other settings changed (``torch._C._set_mkldnn_enabled``).
+
+    The public switches do more: ``torch.backends.mkldnn.flags()`` also sets TF32, which warns on every call
+    where no Intel GPU is built in, and determinism, and assigning ``torch.backends.mkldnn.enabled`` raises
+    after ``torch.backends.disable_global_flags()`` (which PyTorch's own test utilities call).
+
+    Example:
+        >>> with onednn_off():
+        ...     torch.backends.mkldnn.enabled
+        False
+    """
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 # The ONNX exporter (torch.onnx's dynamo path).

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +56,7 @@ from lightning_ort.engine.torch_internals import (
     aot_autograd,
     functorch_config,
     min_cut_rematerialization_partition,
+    onednn_off,
     tangents_by_format,
 )
 from lightning_ort.errors import (
@@ -97,17 +98,6 @@ class GraphNames:
             self._numbers[mode] = sum(inference == mode[1] for _, inference in self._numbers)
         number = self._numbers[mode]
         return f"{kind}_{number}" if number else kind
-
-
-@contextlib.contextmanager
-def _onednn_off() -> Iterator[None]:
-    """``torch.backends.mkldnn.enabled`` off, and nothing else of oneDNN's settings changed, for the block."""
-    enabled = bool(torch.backends.mkldnn.enabled)
-    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a property of the module: sets the flag
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled  # type: ignore[assignment]
 
 
 class CapturedGraph:
@@ -185,7 +175,7 @@ class CapturedGraph:
             # inference-only RNN op where oneDNN is on: its backward needs a workspace that op does not write,
             # and ONNX has no translation for it. With oneDNN off every layer becomes gate products and
             # activations, as layers whose input needs a gradient already do.
-            with kernels, _onednn_off(), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
+            with kernels, onednn_off(), _OWN_FAILURES_UNLOGGED.scope(), tangents_by_format():
                 compiled = self._compile_with_aot(backend)
             if self._backward_failure is not None:
                 # AOTAutograd builds a dynamic-shape backward during the forward but defers its failure to the
