@@ -20,6 +20,7 @@ from onnx import helper
 
 from lightning_ort import DebugOptions, ORTModule
 from lightning_ort.engine.onnx.custom_ops import DOMAIN, uses_kernels
+from lightning_ort.engine.onnx.passes import KERNEL_MAX_RANK, transpose_in_kernel
 from tests.helpers import assert_grads_close, assert_outputs_close, kernel_session
 
 SHAPES = [
@@ -55,6 +56,17 @@ def test_the_kernel_refuses_a_perm_that_is_not_a_permutation_of_the_axes(library
         node = helper.make_node("Transpose", ["x"], ["y"], domain=DOMAIN, perm=perm)
         with pytest.raises(Exception, match=r"Transpose: perm must be a permutation of X's 3 axes"):
             kernel_session(node, {"x": None}).run(None, {"x": x})
+
+
+def test_the_pass_leaves_transposes_above_the_kernels_rank_to_onnx_runtime() -> None:
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]  # a graph with our kernels
+    for rank, expected in ((KERNEL_MAX_RANK, DOMAIN), (KERNEL_MAX_RANK + 1, "")):
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2] * rank)
+        perm = [1, 2, 0, *range(3, rank)]
+        node = helper.make_node("Transpose", ["x"], ["y"], "node_permute", perm=perm)
+        model = helper.make_model(helper.make_graph([node], "g", [x], []), opset_imports=opsets)
+        transpose_in_kernel(model)
+        assert model.graph.node[0].domain == expected, f"rank {rank}"
 
 
 def test_a_transformer_with_kernels_transposes_in_them_and_trains_as_eager(library: Path, tmp_path: Path) -> None:

@@ -581,13 +581,17 @@ def subsample_images(model: onnx.ModelProto) -> int:
     return rewritten
 
 
+KERNEL_MAX_RANK = 8
+"""The highest rank a tensor read by lightning_ort's kernels may have (``Tensor`` in ``ort_custom_ops.h``)."""
+
+
 def transpose_in_kernel(model: onnx.ModelProto) -> int:
-    """A float32 ``Transpose`` of static shape becomes lightning_ort's ``Transpose`` kernel
-    (``engine/runtime/transpose_kernels.cpp``), which spreads the copy over the session's threads; in place. Only
-    in graphs that already use lightning_ort's kernels (their sessions load the library anyway), and not for a
-    plain matrix transpose (axes of size 1 dropped and axes that stay adjacent merged, two axes swapped), which
-    ONNX Runtime's ``Transpose`` runs on MLAS's vector kernel, faster in a training step (see the performance
-    page). Returns the number of transposes rewritten.
+    """A float32 ``Transpose`` of static shape, of rank at most :data:`KERNEL_MAX_RANK`, becomes lightning_ort's
+    ``Transpose`` kernel (``engine/runtime/transpose_kernels.cpp``), which spreads the copy over the session's
+    threads; in place. Only in graphs that already use lightning_ort's kernels (their sessions load the library
+    anyway), and not for a plain matrix transpose (axes of size 1 dropped and axes that stay adjacent merged, two
+    axes swapped), which ONNX Runtime's ``Transpose`` runs on MLAS's vector kernel, faster in a training step (see
+    the performance page). Returns the number of transposes rewritten.
 
     Example:
         >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4])
@@ -607,7 +611,7 @@ def transpose_in_kernel(model: onnx.ModelProto) -> int:
             continue
         data = values.get(node.input[0])
         dims = data.static_shape if data is not None and data.elem_type == onnx.TensorProto.FLOAT else None
-        if dims is None:
+        if dims is None or len(dims) > KERNEL_MAX_RANK:
             continue
         perm = list(_attributes(node).get("perm", reversed(range(len(dims)))))
         if len(perm) != len(dims) or _moved_axes(dims, perm) < 3:
