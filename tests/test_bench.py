@@ -21,6 +21,7 @@ from lightning_ort.bench import runner as bench
 from lightning_ort.bench import shapes
 from lightning_ort.bench import workloads as bench_workloads
 from lightning_ort.bench.conv import ConvLayer
+from lightning_ort.engine.fx.conv_weight_grad import CONV3X3_WEIGHT_GRAD
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -558,8 +559,9 @@ def test_a_runtime_that_fails_is_reported_and_the_table_goes_on(
         bench.main(args)
 
 
-def _backward_nodes(layer: ConvLayer, mask: list[bool]) -> list[torch.fx.Node]:
-    """The ops the convolution-backward decomposition traces for the conv study's ``layer``."""
+def _backward_nodes(layer: ConvLayer, mask: list[bool], kernels: bool = False) -> list[torch.fx.Node]:
+    """The ops the convolution-backward decomposition traces for the conv study's ``layer`` (with lightning_ort's
+    CPU kernels built, ``kernels``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from lightning_ort.engine.fx.decompositions import convolution_backward
@@ -578,6 +580,7 @@ def _backward_nodes(layer: ConvLayer, mask: list[bool]) -> list[torch.fx.Node]:
         groups=1,
         output_mask=mask,
         weight_grad_path="auto",
+        kernels=kernels,
     )
     return [node for node in make_fx(backward)(gy, x, w).graph.nodes if node.op == "call_function"]
 
@@ -591,11 +594,12 @@ def test_conv_study_times_every_form_of_each_gradient_and_marks_the_decompositio
         conv.ConvLayer("cnn", 2, 8, 8, 8, 1),
         conv.ConvLayer("cnn", 2, 8, 4, 8, 1),
         conv.ConvLayer("resnet18", 2, 8, 4, 32, 2),
+        conv.ConvLayer("cnn", 2, 8, 8, 32, 2),  # lightning_ort's 3x3 kernel on AVX-512 CPUs
     ]
     results = conv.run_conv_study(layers, steps=1)
     for layer, result in zip(layers, results):
         assert result.max_relative_error < 1e-5, "every form computes eager's gradient"
-        assert set(result.weight_ms) == set(conv.WEIGHT_FORMS)
+        assert set(result.weight_ms) == set(conv.WEIGHT_FORMS) - (set() if conv._kernel_runs(layer) else {"kernel"})
         small = layer.size**2 <= 16
         assert set(result.input_ms) == {"transposed"} | ({"flipped"} if layer.stride == 1 else set()) | (
             {"selection"} if small else set()
@@ -607,14 +611,17 @@ def test_conv_study_times_every_form_of_each_gradient_and_marks_the_decompositio
             if node.target is torch.ops.aten.convolution.default and node.args[0].op == "placeholder"
         ]
         input_form = ("transposed" if convolutions[0].args[6] else "flipped") if convolutions else "selection"
-        weight_nodes = _backward_nodes(layer, [True, True, False])
-        if any(node.target is torch.ops.aten.convolution_backward.default for node in weight_nodes):
+        weight_nodes = _backward_nodes(layer, [True, True, False], kernels=True)
+        if any(node.target is CONV3X3_WEIGHT_GRAD for node in weight_nodes):
+            weight_form = "kernel"
+        elif any(node.target is torch.ops.aten.convolution_backward.default for node in weight_nodes):
             weight_form = conv.TORCH_WEIGHT
         else:
             per_image = any(node.target is torch.ops.aten.bmm.default for node in weight_nodes)
             weight_form = "per_image" if per_image else "contraction"
         assert result.picked == (input_form, weight_form)
-    assert [result.picked[1] for result in results] == [conv.TORCH_WEIGHT, "per_image", "contraction"]
+    kernel = "kernel" if conv._kernel_runs(layers[3]) else conv.TORCH_WEIGHT
+    assert [result.picked[1] for result in results] == [conv.TORCH_WEIGHT, "per_image", "contraction", kernel]
     with pytest.raises(SystemExit):
         bench.main(["conv", "--device", "meta"])
     assert "CPU kernels" in capsys.readouterr().err

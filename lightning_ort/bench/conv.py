@@ -11,9 +11,10 @@ PyTorch's own backward (oneDNN), in one process, and checks that each form compu
 * weight gradient: the unfolded input (im2col, by a one-hot depthwise ``Conv``, or on images of at most
   16 positions by a product with a 0/1 selection matrix) times the output gradient image by image, then
   summed (``per_image``); the same as one contraction over images and positions (``contraction``); and one
-  ``Conv`` of the input with the output gradient as its kernel, batch and channels swapped (``swapped``); or
-  PyTorch's own kernel, eager's (``torch``), which ``conv_weight_grad="auto"`` runs after the backward graph on
-  images of more than 16 positions.
+  ``Conv`` of the input with the output gradient as its kernel, batch and channels swapped (``swapped``);
+  lightning_ort's ``ConvWeightGrad3x3`` kernel, reading the NCHWc output gradient (``kernel``, AVX-512 CPUs);
+  or PyTorch's own kernel, eager's (``torch``). ``conv_weight_grad="auto"`` takes lightning_ort's kernel on images
+  of more than 16 positions where it applies, else PyTorch's, run after the backward graph.
 
 The forms ORTModule picks are marked; the decision table is on the performance page.
 """
@@ -34,13 +35,21 @@ from onnx import TensorProto, helper, numpy_helper
 from typing_extensions import override
 
 from lightning_ort.bench.report import Report
+from lightning_ort.engine.fx.conv_weight_grad import weight_grad_kernel_applies
 from lightning_ort.engine.fx.decompositions import (
     SELECTION_POSITIONS,
     folds_input_gradient,
     selection_matrix,
     weight_grad_in_torch,
 )
-from lightning_ort.engine.onnx.passes import drop_unused_initializers, nchwc_block_size, use_nchwc_convolutions
+from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.onnx.passes import (
+    KERNEL_NCHWC_BLOCK,
+    drop_unused_initializers,
+    nchwc_block_size,
+    use_nchwc_convolutions,
+)
+from lightning_ort.engine.runtime import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ LAYERS = (
 """The 3x3 layers of the ``cnn`` and ``resnet18`` workloads (one of each shape)."""
 
 INPUT_FORMS = ("flipped", "transposed", "selection")
-WEIGHT_FORMS = ("per_image", "contraction", "swapped")
+WEIGHT_FORMS = ("per_image", "contraction", "swapped", "kernel")
 TORCH_WEIGHT = "torch"
 """The weight-gradient form that is PyTorch's own kernel: eager's weight gradient, run after the backward graph."""
 
@@ -88,8 +97,8 @@ def picked_forms(layer: ConvLayer) -> tuple[str, str]:
     """The input- and weight-gradient forms ORTModule uses for ``layer`` under ``conv_weight_grad="auto"``.
 
     Example:
-        >>> picked_forms(ConvLayer("cnn", 64, 128, 8, 128, 1))
-        ('flipped', 'torch')
+        >>> picked_forms(ConvLayer("cnn", 64, 128, 8, 128, 1))[1] in ("kernel", "torch")  # "kernel" on AVX-512
+        True
         >>> picked_forms(ConvLayer("resnet18", 16, 256, 4, 512, 2))
         ('selection', 'contraction')
     """
@@ -101,7 +110,7 @@ def picked_forms(layer: ConvLayer) -> tuple[str, str]:
     images = torch.empty(layer.images, layer.channels, layer.size, layer.size)
     weight = torch.empty(layer.out_channels, layer.channels, 3, 3)
     if weight_grad_in_torch(images, weight, [1, 1], 1, "auto"):
-        return input_form, TORCH_WEIGHT
+        return input_form, "kernel" if _kernel_runs(layer) else TORCH_WEIGHT
     return input_form, "contraction" if positions < layer.out_channels else "per_image"
 
 
@@ -177,11 +186,14 @@ def _median_ms(run: Callable[[], object], steps: int) -> float:
 
 
 def _session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """The form as ORTModule runs it: its convolutions on NCHWc kernels where :func:`use_nchwc_convolutions` can."""
+    """The form as ORTModule runs it: its convolutions on NCHWc kernels where :func:`use_nchwc_convolutions` can,
+    lightning_ort's kernels registered where it uses them."""
     model = onnx.shape_inference.infer_shapes(model)
     use_nchwc_convolutions(model, nchwc_block_size())
     drop_unused_initializers(model)  # the constants of a kernel chain the NCHWc pass replaced
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    cpu_kernels.register_kernels(options, model)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def _model(
@@ -347,6 +359,24 @@ def _swapped(layer: ConvLayer) -> onnx.ModelProto:
     return _model(layer, nodes, ["x", "gy"], {name: np.array(value, np.int64) for name, value in constants.items()})
 
 
+def _kernel_runs(layer: ConvLayer) -> bool:
+    """Whether lightning_ort's 3x3 weight-gradient kernel takes ``layer`` on this machine."""
+    images = torch.empty(layer.images, layer.channels, layer.size, layer.size)
+    weight = torch.empty(layer.out_channels, layer.channels, 3, 3)
+    stride = [layer.stride] * 2
+    applies = weight_grad_kernel_applies(images, weight, stride, [1, 1], [1, 1], 1)
+    return applies and nchwc_block_size() == KERNEL_NCHWC_BLOCK and cpu_kernels.kernel_library() is not None
+
+
+def _kernel(layer: ConvLayer) -> onnx.ModelProto | None:
+    if not _kernel_runs(layer):
+        return None
+    node = helper.make_node("ConvWeightGrad3x3", ["x", "gy"], ["out"], domain=DOMAIN, stride=layer.stride)
+    model = _model(layer, [node], ["x", "gy"], {})
+    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
 def _weight_constants(layer: ConvLayer) -> dict[str, np.ndarray]:
     return {"weight_shape": np.array([layer.out_channels, layer.channels, 3, 3], np.int64)}
 
@@ -358,6 +388,7 @@ _FORMS: dict[str, Callable[[ConvLayer], onnx.ModelProto | None]] = {
     "per_image": _per_image,
     "contraction": _contraction,
     "swapped": _swapped,
+    "kernel": _kernel,
 }
 
 

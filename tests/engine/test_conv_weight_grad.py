@@ -1,9 +1,10 @@
 """``conv_weight_grad``: where convolutions' weight gradients are computed.
 
 Under ``"auto"`` (the default) a dense CPU convolution whose graph form would unfold a large image takes its weight
-gradient from PyTorch's kernel, run after the one ONNX Runtime backward graph that computes every input gradient;
+gradient from PyTorch's kernel, run after the one ONNX Runtime backward graph that computes every input gradient,
+or, for 3x3 layers the kernel takes (AVX-512 CPUs), from lightning_ort's ``ConvWeightGrad3x3`` inside that graph;
 ``"onnx"`` keeps every weight gradient in the graphs, ``"torch"`` none. Parity is checked against eager PyTorch on
-a Hugging Face ResNet, whose layers fall on both sides of the choice.
+a Hugging Face ResNet, whose layers fall on all sides of the choice.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import helper
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -24,8 +27,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort import DebugOptions, ORTConfig, ORTModule, ORTSingleDeviceStrategy
 from lightning_ort.engine.capture.backend import backend_options
+from lightning_ort.engine.fx.conv_weight_grad import weight_grad_kernel_applies
 from lightning_ort.engine.fx.decompositions import capture_decompositions, weight_grad_in_torch
-from tests.helpers import assert_grads_close
+from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.onnx.passes import KERNEL_NCHWC_BLOCK, nchwc_block_size, use_nchwc_convolutions
+from tests.helpers import assert_fp64_accuracy, assert_grads_close, kernel_session
 from tests.lightning.models import train_three_steps
 
 transformers = pytest.importorskip("transformers")
@@ -48,20 +54,34 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(6, 3, 32, 32, generator=g), "labels": torch.randint(0, 5, (6,), generator=g)}
 
 
-def _expected_in_torch(model: nn.Module, batch: dict[str, torch.Tensor], path: str) -> int:
-    """How many of ``model``'s convolutions ``path`` leaves to PyTorch, judged on the inputs each one sees."""
-    chosen: list[bool] = []
+KERNEL = torch.backends.cpu.get_cpu_capability() == "AVX512" and nchwc_block_size() == KERNEL_NCHWC_BLOCK
+"""Whether this CPU runs lightning_ort's 3x3 weight-gradient kernel."""
+
+
+def _expected_in_torch(model: nn.Module, batch: dict[str, torch.Tensor], path: str) -> tuple[int, int]:
+    """How many of ``model``'s convolutions ``path`` leaves to PyTorch's kernel, and how many of those
+    lightning_ort's 3x3 kernel takes under ``"auto"``, judged on the inputs each one sees."""
+    chosen: list[tuple[bool, bool]] = []
 
     def record(conv: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         assert isinstance(conv, nn.Conv2d)
-        chosen.append(weight_grad_in_torch(inputs[0], conv.weight, conv.padding, conv.groups, path))  # type: ignore[arg-type]
+        torch_weight = weight_grad_in_torch(inputs[0], conv.weight, conv.padding, conv.groups, path)  # type: ignore[arg-type]
+        kernel = path == "auto" and weight_grad_kernel_applies(
+            inputs[0],
+            conv.weight,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,  # type: ignore[arg-type]
+        )
+        chosen.append((torch_weight, torch_weight and kernel))
 
     hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.Conv2d)]
     with torch.no_grad():
         model(**batch)
     for hook in hooks:
         hook.remove()
-    return sum(chosen)
+    return sum(torch_weight for torch_weight, _ in chosen), sum(kernel for _, kernel in chosen)
 
 
 @pytest.mark.parametrize("path", ["auto", "onnx", "torch"])
@@ -70,8 +90,10 @@ def test_resnet_trains_as_eager_with_each_weight_gradient_path(path: str, blocks
     eager = _resnet()
     wrapped = ORTModule(copy.deepcopy(eager), blocks=blocks, conv_weight_grad=path, fallback="raise")  # type: ignore[arg-type]
     batch = _batch()
-    in_torch = _expected_in_torch(eager, batch, path)
+    in_torch, in_kernel = _expected_in_torch(eager, batch, path)
     assert (in_torch, path) in {(4, "auto"), (0, "onnx"), (6, "torch")}, "the model has layers on both sides"
+    assert in_kernel == (KERNEL and path == "auto"), "one stride-2 layer (16 -> 32 channels) takes the 3x3 kernel"
+    in_torch -= in_kernel
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # weight gradients kept in PyTorch are no fallback: no warning
         actual = wrapped(**batch).loss
@@ -206,3 +228,128 @@ def test_a_conv_net_trains_in_lightning_as_in_plain_lightning(path: str, tmp_pat
     wrapped = actual.net
     assert isinstance(wrapped, ORTModule) and wrapped.conv_weight_grad == path
     assert wrapped.statistics.backward_runs == 3 and wrapped.statistics.fallback_ops == 0
+
+
+def _blocked(t: torch.Tensor) -> np.ndarray:
+    """``t`` ([N, C, H, W], C a multiple of 16) in ONNX Runtime's NCHWc layout with 16-channel blocks."""
+    n, c, h, w = t.shape
+    return t.view(n, c // 16, 16, h, w).permute(0, 1, 3, 4, 2).contiguous().view(n, c, h, w).numpy()
+
+
+@pytest.mark.skipif(not KERNEL, reason="the 3x3 weight-gradient kernel runs on AVX-512 CPUs")
+@pytest.mark.parametrize(
+    ("images", "channels", "size", "outputs", "stride"),
+    [
+        (2, 16, 5, 32, 1),  # odd size: every tap's rows and columns clipped differently
+        (3, 16, 7, 64, 2),  # odd size, stride 2: the last output row reads the last input row
+        (2, 32, 6, 32, 2),  # even size, stride 2: the last input row is read by no tap 2
+        (9, 24, 8, 96, 1),  # more images than chunks, three output tiles, three input tiles
+        (5, 16, 1, 32, 1),  # a 1x1 image: only the centre tap
+        (2, 16, 1, 32, 2),  # stride 2 on a 1x1 image: tap 2 reads past it
+        (2, 8, 2, 32, 2),  # one tile of input channels
+    ],
+)
+def test_the_kernel_matches_pytorchs_weight_gradient_in_float64(
+    images: int, channels: int, size: int, outputs: int, stride: int
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(images, channels, size, size, generator=g)
+    out_size = (size - 1) // stride + 1
+    gy = torch.randn(images, outputs, out_size, out_size, generator=g)
+    node = helper.make_node("ConvWeightGrad3x3", ["X", "dY"], ["dW"], domain=DOMAIN, stride=stride)
+    (actual,) = kernel_session(node, {"X": None, "dY": None}).run(None, {"X": x.numpy(), "dY": _blocked(gy)})
+    weight = torch.empty(outputs, channels, 3, 3, dtype=torch.float64)
+    args = (None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])
+    expected = aten.convolution_backward(gy.double(), x.double(), weight, *args)[1]
+    eager = aten.convolution_backward(gy, x, weight.float(), *args)[1]
+    spread = (eager.double() - expected).abs().max().item()
+    assert (torch.from_numpy(actual).double() - expected).abs().max().item() <= max(2 * spread, 1e-6)
+
+
+@pytest.mark.skipif(not KERNEL, reason="the 3x3 weight-gradient kernel runs on AVX-512 CPUs")
+def test_the_kernel_refuses_tensors_it_cannot_read() -> None:
+    node = helper.make_node("ConvWeightGrad3x3", ["X", "dY"], ["dW"], domain=DOMAIN, stride=1)
+    session = kernel_session(node, {"X": None, "dY": None})
+    x, gy = np.zeros((1, 16, 4, 4), np.float32), np.zeros((1, 16, 4, 4), np.float32)  # 16 outputs: half a tile
+    with pytest.raises(Exception, match="O of 32"):
+        session.run(None, {"X": x, "dY": gy})
+    x, gy = np.zeros((1, 16, 4, 4), np.float32), np.zeros((1, 32, 3, 3), np.float32)  # not stride 1's size
+    with pytest.raises(Exception, match="O of 32"):
+        session.run(None, {"X": x, "dY": gy})
+
+
+@pytest.mark.parametrize(
+    ("channels", "outputs", "stride", "padding", "dilation", "groups", "expected"),
+    [
+        (16, 32, 1, 1, 1, 1, True),
+        (32, 64, 2, 1, 1, 1, True),
+        (8, 32, 1, 1, 1, 1, True),
+        (12, 32, 1, 1, 1, 1, False),  # input channels: not whole register tiles
+        (16, 16, 1, 1, 1, 1, False),  # output channels: not whole register tiles
+        (16, 32, 3, 1, 1, 1, False),
+        (16, 32, 1, 0, 1, 1, False),
+        (16, 32, 1, 1, 2, 1, False),
+        (32, 32, 1, 1, 1, 2, False),
+    ],
+)
+def test_the_kernel_takes_dense_3x3_layers_with_whole_blocks(
+    channels: int, outputs: int, stride: int, padding: int, dilation: int, groups: int, expected: bool
+) -> None:
+    x, w = torch.empty(2, channels, 16, 16), torch.empty(outputs, channels // groups, 3, 3)
+    applies = weight_grad_kernel_applies(x, w, [stride] * 2, [padding] * 2, [dilation] * 2, groups)
+    assert applies == (expected and torch.backends.cpu.get_cpu_capability() == "AVX512")
+    assert not weight_grad_kernel_applies(x.double(), w.double(), [stride] * 2, [padding] * 2, [dilation] * 2, groups)
+
+
+def test_the_nchwc_pass_blocks_the_kernels_inputs_and_refuses_another_block() -> None:
+    values = [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in ("x", "gy")]
+    node = helper.make_node("ConvWeightGrad3x3", ["x", "gy"], ["gw"], "node_gw", domain=DOMAIN, stride=1)
+    model = helper.make_model(helper.make_graph([node], "g", values, []))
+    assert use_nchwc_convolutions(model, 16) == 1
+    assert [(n.op_type, list(n.input)) for n in model.graph.node] == [
+        ("ReorderInput", ["gy"]),
+        ("ConvWeightGrad3x3", ["x", "gy_nchwc"]),
+    ]
+    node = helper.make_node("ConvWeightGrad3x3", ["x", "gy"], ["gw"], "node_gw", domain=DOMAIN, stride=1)
+    model = helper.make_model(helper.make_graph([node], "g", values, []))
+    with pytest.raises(RuntimeError, match=r"node_gw: .* reads 16-channel NCHWc blocks, but ONNX Runtime blocks 8"):
+        use_nchwc_convolutions(model, 8)
+
+
+class _Blocks(nn.Module):
+    """Two 3x3 layers the kernel takes (stride 1 on 8x8 images, stride 2 on 8x8 to 4x4), between batch norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.body = nn.Sequential(
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, bias=False),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, stride=2, padding=1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.stem(x)).mean((2, 3))
+
+
+@pytest.mark.skipif(not KERNEL, reason="the 3x3 weight-gradient kernel runs on AVX-512 CPUs")
+def test_a_conv_net_has_eagers_float64_accuracy_with_the_kernel_in_its_backward_graph(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    eager = _Blocks()
+    debug = DebugOptions(save_onnx=True, onnx_prefix="m", save_path=tmp_path)
+    wrapped = ORTModule(copy.deepcopy(eager), debug, fallback="raise")
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    assert_fp64_accuracy(eager, wrapped, x, perturbations=2)
+    backward = onnx.load(str(tmp_path / "m_training_backward_part0.onnx")).graph
+    kernels = [n for n in backward.node if n.op_type == "ConvWeightGrad3x3"]
+    assert sorted(a.i for n in kernels for a in n.attribute if a.name == "stride") == [1, 2]
+    readers = {name: [n.op_type for n in backward.node if name in n.input] for n in kernels for name in n.input[1:]}
+    assert all(set(ops) == {"Conv", "ConvWeightGrad3x3"} for ops in readers.values()), "one blocked copy of dY"
+    with torch.profiler.profile() as profile:
+        wrapped(x).sum().backward()
+    ran = [event.name for event in profile.events()]
+    assert ran.count("aten::convolution_backward") == 1, "only the stem's 3 input channels: PyTorch's kernel"
+    assert wrapped.statistics.fallback_ops == 0

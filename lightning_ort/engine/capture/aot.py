@@ -40,6 +40,7 @@ from lightning_ort.engine.capture.build import (
 from lightning_ort.engine.fx.activations import fold_activations
 from lightning_ort.engine.fx.batch_norm import fusable_batch_norms, fuse_batch_norms
 from lightning_ort.engine.fx.conv_phases import strided_convolutions
+from lightning_ort.engine.fx.conv_weight_grad import kernel_weight_grads
 from lightning_ort.engine.fx.decompositions import capture_decompositions
 from lightning_ort.engine.fx.dynamic import is_symbolic, tensor_devices
 from lightning_ort.engine.fx.gelu import gelus
@@ -287,9 +288,18 @@ class CapturedGraph:
 
 def _uses_cpu_kernels(gm: torch.fx.GraphModule) -> bool:
     """Whether TorchDynamo's graph ``gm`` has calls that lightning_ort's CPU kernels compute (batch norms in
-    training mode, max pooling, stride-2 convolutions' input gradients, GELU's, SiLU's and layer norm's
-    gradients, group norms), so that the kernels are built only for graphs that use them."""
-    counts = (fusable_batch_norms, replaceable_max_pools, strided_convolutions, gelus, silus, layer_norms, group_norms)
+    training mode, max pooling, stride-2 convolutions' input gradients, large 3x3 layers' weight gradients, GELU's,
+    SiLU's and layer norm's gradients, group norms), so that the kernels are built only for graphs that use them."""
+    counts = (
+        fusable_batch_norms,
+        replaceable_max_pools,
+        strided_convolutions,
+        kernel_weight_grads,
+        gelus,
+        silus,
+        layer_norms,
+        group_norms,
+    )
     return any(count(gm) for count in counts)
 
 

@@ -11,7 +11,9 @@ Core ATen decompositions, plus:
   of), an im2col matrix product for the weight gradient and a sum for the bias gradient; on small CPU images,
   products with a 0/1 selection matrix unfold the input and fold the input gradient back; where
   ``conv_weight_grad`` chooses PyTorch's kernel for a layer's weight gradient (:func:`weight_grad_in_torch`),
-  that gradient stays one ``convolution_backward`` op;
+  that gradient stays one ``convolution_backward`` op, or on CPU with lightning_ort's kernels, for 3x3 layers
+  with stride 1 or 2 on large images, the kernel's
+  (:data:`~lightning_ort.engine.fx.conv_weight_grad.CONV3X3_WEIGHT_GRAD`);
 * ``nn.EmbeddingBag`` (sum/mean) forward and backward as gathers and ``index_add``: the exporter's translation
   of ``_embedding_bag`` does not reproduce the auxiliary outputs its backward needs, and the backward op has
   no translation at all;
@@ -48,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_ort.engine.fx.conv_phases import phase_input_grad
+from lightning_ort.engine.fx.conv_weight_grad import CONV3X3_WEIGHT_GRAD, weight_grad_kernel_applies
 from lightning_ort.engine.fx.distance import cdist_backward, cdist_forward
 from lightning_ort.engine.fx.gelu import gelu_backward
 from lightning_ort.engine.fx.grid_sample import grid_sampler_2d_backward
@@ -75,18 +78,20 @@ def convolution_backward(
     groups: int,
     output_mask: Sequence[bool],
     weight_grad_path: ConvWeightGrad = "onnx",
-    phases: bool = False,
+    kernels: bool = False,
 ) -> Any:
     """Gradients of an N-d convolution expressed with forward convolutions.
 
     A transposed convolution's gradients come from the convolution it is the adjoint of
-    (:func:`_transposed_convolution_backward`). With ``phases``, the input gradient of a stride-2 layer is four
-    stride-1 convolutions woven together by lightning_ort's CPU kernel
+    (:func:`_transposed_convolution_backward`). With ``kernels`` (lightning_ort's CPU kernels are built), the
+    input gradient of a stride-2 layer is four stride-1 convolutions woven together by one of them
     (:func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`) where that applies.
 
     Where ``weight_grad_path`` leaves a layer's weight gradient to PyTorch's kernel (:func:`weight_grad_in_torch`),
     that gradient is ``aten.convolution_backward`` asking for it alone, which this decomposition then leaves
-    whole (``NotImplemented``), to run in PyTorch after the graph that computes ``grad_output``.
+    whole (``NotImplemented``), to run in PyTorch after the graph that computes ``grad_output``; with ``kernels``,
+    a 3x3 layer with stride 1 or 2 on a large image takes lightning_ort's kernel inside the graph instead
+    (:func:`~lightning_ort.engine.fx.conv_weight_grad.weight_grad_kernel_applies`).
 
     Example:
         >>> x, w = torch.randn(2, 4, 7), torch.randn(6, 2, 3)
@@ -101,13 +106,21 @@ def convolution_backward(
             grad_output, input, weight, stride, padding, dilation, output_padding, groups, output_mask, weight_grad_path
         )
     torch_weight = output_mask[1] and weight_grad_in_torch(input, weight, padding, groups, weight_grad_path)
-    if torch_weight and not output_mask[0] and not output_mask[2]:
+    kernel_weight = (
+        torch_weight
+        and kernels
+        and weight_grad_path == "auto"
+        and weight_grad_kernel_applies(input, weight, stride, padding, dilation, groups)
+    )
+    if torch_weight and not kernel_weight and not output_mask[0] and not output_mask[2]:
         return NotImplemented
     spatial = len(stride)
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        grad_input = _input_grad(grad_output, input, weight, stride, padding, dilation, groups, phases)
-    if torch_weight:
+        grad_input = _input_grad(grad_output, input, weight, stride, padding, dilation, groups, kernels)
+    if kernel_weight:
+        grad_weight = CONV3X3_WEIGHT_GRAD(input, grad_output, stride[0])
+    elif torch_weight:
         only_weight = [False, True, False]
         grad_weight = aten.convolution_backward(
             grad_output, input, weight, None, stride, padding, dilation, False, output_padding, groups, only_weight
@@ -1280,7 +1293,8 @@ def capture_decompositions(
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
 
     With ``cpu_kernels`` (lightning_ort's CPU kernels are built and checked), stride-2 convolutions' input
-    gradients take :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`, and on CPU GELU's, SiLU's and
+    gradients take :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`, large 3x3 layers' weight gradients
+    :data:`~lightning_ort.engine.fx.conv_weight_grad.CONV3X3_WEIGHT_GRAD`, and on CPU GELU's, SiLU's and
     layer norm's gradients and group norm their kernels (:func:`~lightning_ort.engine.fx.gelu.gelu_backward`,
     :func:`~lightning_ort.engine.fx.silu.silu_backward`,
     :func:`~lightning_ort.engine.fx.layer_norm.layer_norm_backward`,
@@ -1344,7 +1358,7 @@ def capture_decompositions(
         aten.special_erfcx.default: erfcx,
         aten.special_log_ndtr.default: log_ndtr,
         aten.convolution_backward.default: functools.partial(
-            convolution_backward, weight_grad_path=conv_weight_grad, phases=cpu_kernels
+            convolution_backward, weight_grad_path=conv_weight_grad, kernels=cpu_kernels
         ),
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,

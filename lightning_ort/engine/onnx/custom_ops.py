@@ -1,7 +1,8 @@
 """ONNX translations of lightning_ort's own PyTorch ops, as nodes of its ONNX Runtime kernels.
 
 The ops of :mod:`lightning_ort.engine.fx.batch_norm`, the max-pooling gradient of
-:mod:`lightning_ort.engine.fx.max_pool`, the phase weaving of :mod:`lightning_ort.engine.fx.conv_phases`,
+:mod:`lightning_ort.engine.fx.max_pool`, the phase weaving of :mod:`lightning_ort.engine.fx.conv_phases`, the 3x3
+weight gradient of :mod:`lightning_ort.engine.fx.conv_weight_grad`,
 GELU's and SiLU's gradients (:mod:`lightning_ort.engine.fx.gelu`, :mod:`lightning_ort.engine.fx.silu`), layer
 norm's (:mod:`lightning_ort.engine.fx.layer_norm`) and group norm (:mod:`lightning_ort.engine.fx.group_norm`) become
 nodes of the ``ai.lightning_ort`` domain, which ONNX
@@ -27,6 +28,7 @@ from lightning_ort.engine.fx.batch_norm import (
     BATCH_NORM_TRAINING_BACKWARD,
 )
 from lightning_ort.engine.fx.conv_phases import INTERLEAVE_2X2
+from lightning_ort.engine.fx.conv_weight_grad import CONV3X3_WEIGHT_GRAD
 from lightning_ort.engine.fx.gelu import APPROXIMATIONS, GELU_BACKWARD
 from lightning_ort.engine.fx.group_norm import GROUP_NORM, GROUP_NORM_BACKWARD
 from lightning_ort.engine.fx.layer_norm import LAYER_NORM_BACKWARD
@@ -183,6 +185,16 @@ def interleave_2x2(even_even: Any, even_odd: Any, odd_even: Any, odd_odd: Any, h
     return _INTERLEAVE_2X2(even_even, even_odd, odd_even, odd_odd, height=height, width=width)
 
 
+_CONV_WEIGHT_GRAD_3X3 = _op("ConvWeightGrad3x3", ["X", "dY"], ["dW"], {"stride": INT})
+
+
+def conv3x3_weight_grad(input: Any, grad_output: Any, stride: int) -> Any:
+    """:data:`~lightning_ort.engine.fx.conv_weight_grad.CONV3X3_WEIGHT_GRAD` as one ``ConvWeightGrad3x3`` node, on
+    ``input`` and ``grad_output`` as they are: the CPU graph's NCHWc pass
+    (:func:`~lightning_ort.engine.onnx.passes.use_nchwc_convolutions`) gives it their blocked copies."""
+    return _CONV_WEIGHT_GRAD_3X3(input, grad_output, stride=stride)
+
+
 _GELU_GRAD = _op("GeluGrad", ["dY", "X"], ["dX"], {"approximate": INT})
 
 
@@ -231,6 +243,7 @@ CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     MAX_POOL2D: max_pool2d,
     MAX_POOL2D_BACKWARD: max_pool2d_backward,
     INTERLEAVE_2X2: interleave_2x2,
+    CONV3X3_WEIGHT_GRAD: conv3x3_weight_grad,
     GELU_BACKWARD: gelu_backward,
     SILU_BACKWARD: silu_backward,
     LAYER_NORM_BACKWARD: layer_norm_backward,

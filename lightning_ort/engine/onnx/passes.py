@@ -584,6 +584,10 @@ def subsample_images(model: onnx.ModelProto) -> int:
 KERNEL_MAX_RANK = 8
 """The highest rank a tensor read by lightning_ort's kernels may have (``Tensor`` in ``ort_custom_ops.h``)."""
 
+KERNEL_NCHWC_BLOCK = 16
+"""The NCHWc channel block in which lightning_ort's 3x3 weight-gradient kernel reads the output gradient (ONNX
+Runtime's on AVX-512)."""
+
 
 def transpose_in_kernel(model: onnx.ModelProto) -> int:
     """A float32 ``Transpose`` of static shape, of rank at most :data:`KERNEL_MAX_RANK`, becomes lightning_ort's
@@ -978,7 +982,7 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int, kernels: bool = F
         >>> use_nchwc_convolutions(model, 16), [n.op_type for n in model.graph.node]
         (1, ['ReorderInput', 'Reshape', 'ReorderInput', 'Reshape', 'ReorderInput', 'Conv', 'ReorderOutput'])
     """
-    if block <= 1:
+    if block <= 1 and not any(_is_weight_grad_kernel(node) for node in model.graph.node):
         return 0
     values = _values(model.graph)
     producers = {output: node for node in model.graph.node for output in node.output}
@@ -989,6 +993,10 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int, kernels: bool = F
     replaced: list[onnx.NodeProto] = []
     blocked_sources: set[str] = set()
     for node in model.graph.node:
+        if _is_weight_grad_kernel(node):
+            nodes += _blocked_weight_grad(node, block)
+            rewritten += 1
+            continue
         weight_shape = _nchwc_weight_shape(node, values, block)
         if weight_shape is None:
             nodes.append(node)
@@ -1395,6 +1403,25 @@ def _folded_pad(
     total = [own[0] + pads[2], own[1] + pads[3], own[2] + pads[6], own[3] + pads[7]]
     folded.attribute.append(helper.make_attribute("pads", total))
     return folded, pad
+
+
+def _is_weight_grad_kernel(node: onnx.NodeProto) -> bool:
+    return node.op_type == "ConvWeightGrad3x3" and node.domain == DOMAIN
+
+
+def _blocked_weight_grad(node: onnx.NodeProto, block: int) -> list[onnx.NodeProto]:
+    """lightning_ort's ``ConvWeightGrad3x3`` reading its output gradient's NCHWc copy, by a ``ReorderInput`` that the
+    input gradient's convolution shares (:func:`_shared_reorders`)."""
+    if block != KERNEL_NCHWC_BLOCK:
+        raise RuntimeError(
+            f"{node.name or node.op_type}: lightning_ort's 3x3 weight-gradient kernel reads "
+            f"{KERNEL_NCHWC_BLOCK}-channel NCHWc blocks, but ONNX Runtime blocks {block} channels on this CPU. "
+            "Please report this; conv_weight_grad='torch' avoids the kernel."
+        )
+    grad_output = node.input[1]
+    blocked = f"{grad_output}_nchwc"
+    node.input[1] = blocked
+    return [helper.make_node("ReorderInput", [grad_output], [blocked], blocked, domain=_NCHWC), node]
 
 
 def _shared_reorders(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:

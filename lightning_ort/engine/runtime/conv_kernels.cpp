@@ -1,6 +1,6 @@
 // ONNX Runtime CPU kernels for convolutions: the weaving of a stride-2 convolution's input gradient, the
-// subsampling of a strided pointwise convolution's input for its weight gradient, and the blocking of a weight
-// into the layout of ONNX Runtime's NCHWc convolution.
+// subsampling of a strided pointwise convolution's input for its weight gradient, the blocking of a weight into
+// the layout of ONNX Runtime's NCHWc convolution, and the weight gradient of a 3x3 convolution from NCHWc tensors.
 //
 //   ai.lightning_ort::Interleave2x2(P00, P01, P10, P11) -> Y
 //       attributes: height, width (ints), Y's image size.
@@ -30,6 +30,17 @@
 //       Each B x B x T tile is read from B contiguous rows of W and written once, in one pass over the weight;
 //       ONNX Runtime's ReorderInput takes two passes for it (input then output channels), three with the flip.
 //
+//   ai.lightning_ort::ConvWeightGrad3x3(X, dY) -> dW
+//       attributes: stride (int, 1 or 2).
+//       The weight gradient [O, C, 3, 3] of a 3x3 convolution with padding 1, no dilation and no groups, from its
+//       input X [N, C, H, W] (contiguous, C a multiple of 8) and its output's gradient dY [N, O, (H - 1) / stride
+//       + 1, (W - 1) / stride + 1] in the NCHWc layout of ONNX Runtime's ReorderInput with 16-channel blocks
+//       (AVX-512's; O a multiple of 32), the blocked copy its input gradient's convolution reads. Each tap's outer
+//       products are summed over the output positions in a register tile of 8 input by 32 output channels (one X
+//       value broadcast, two 16-channel vectors of dY as the blocked layout holds them: no unfolding, no padding,
+//       no transposes), over a group of images per tile pass. A task takes a chunk of the images and one tile of
+//       32 output channels; the chunks' sums are added up at the end, in chunk order, over the session's threads.
+//
 // The four phases are the stride-1 convolutions that compute the input gradient of a stride-2 convolution
 // (lightning_ort/engine/fx/conv_phases.py); ONNX Runtime's DepthToSpace, which could weave them once
 // concatenated, runs as a generic six-axis transpose, several times slower than this single pass. Work is split by
@@ -37,6 +48,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -402,6 +414,171 @@ OrtStatus* create_block_weight(const OrtCustomOp*, const void*, const OrtKernelI
 
 void destroy_block_weight(void* kernel) { delete static_cast<Blocking*>(kernel); }
 
+// ---------------------------------------------------------------------------------------------------------------
+// ConvWeightGrad3x3
+
+typedef float Vector16 __attribute__((vector_size(64)));
+constexpr int64_t kBlock = 16;        // the NCHWc channel block of dY (AVX-512's)
+constexpr int64_t kTileInputs = 8;    // input channels per register tile
+constexpr int64_t kTileOutputs = 32;  // output channels per register tile: two blocks of dY
+constexpr int64_t kTileSize = kTileInputs * kTileOutputs;
+constexpr int64_t kMaxImageChunks = 4;
+constexpr int64_t kPartialBytes = 4 << 20;  // the most scratch the per-chunk sums may take
+constexpr int64_t kGroupBytes = 256 << 10;  // a group of images' tile rows: 8 input planes, 32 output planes
+
+// sums[c, o] += sum over images n and output positions (y, x) of x_at(n, c, y, x) * dy(n, o, y, x) for one tap, c
+// in [0, 8) and o in [0, 32): `x` points at the tap's input in the first image's channel c0 for the first position
+// (channel planes `plane` floats apart, images x_image, row step x_row, column step x_col), `dy0` and `dy1` at the
+// two output blocks' first position (images dy_image apart, row step dy_row).
+// The products are contracted into fused multiply-adds here (the library is built without contraction).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+KERNEL_CLONES void weight_grad_tile(const float* __restrict x, int64_t plane, int64_t x_image, int64_t x_row,
+                                    int64_t x_col, const float* __restrict dy0, const float* __restrict dy1,
+                                    int64_t dy_image, int64_t dy_row, int64_t images, int64_t rows, int64_t cols,
+                                    float* __restrict sums) {
+  Vector16 acc[kTileInputs][2];
+  for (int64_t c = 0; c < kTileInputs; ++c)
+    for (int64_t v = 0; v < 2; ++v) std::memcpy(&acc[c][v], sums + c * kTileOutputs + 16 * v, sizeof(Vector16));
+  for (int64_t n = 0; n < images; ++n) {
+    for (int64_t y = 0; y < rows; ++y) {
+      const float* xr = x + n * x_image + y * x_row;
+      const float* g0 = dy0 + n * dy_image + y * dy_row;
+      const float* g1 = dy1 + n * dy_image + y * dy_row;
+      for (int64_t col = 0; col < cols; ++col) {
+        Vector16 d0, d1;
+        std::memcpy(&d0, g0 + col * kBlock, sizeof(Vector16));
+        std::memcpy(&d1, g1 + col * kBlock, sizeof(Vector16));
+        const float* values = xr + col * x_col;
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kTileInputs; ++c) {
+          acc[c][0] += values[c * plane] * d0;
+          acc[c][1] += values[c * plane] * d1;
+        }
+      }
+    }
+  }
+  for (int64_t c = 0; c < kTileInputs; ++c)
+    for (int64_t v = 0; v < 2; ++v) std::memcpy(sums + c * kTileOutputs + 16 * v, &acc[c][v], sizeof(Vector16));
+}
+#pragma GCC pop_options
+
+// The output rows (or columns) [first, last) whose input stride * i + tap - 1 lies inside [0, size).
+struct Span {
+  int64_t first, last;
+};
+
+Span valid_span(int64_t tap, int64_t stride, int64_t size, int64_t outputs) {
+  const int64_t reach = size - tap;  // the last valid i has stride * i <= reach
+  return {tap == 0 ? 1 : 0, reach < 0 ? 0 : std::min(outputs, reach / stride + 1)};
+}
+
+struct WeightGradWork {
+  const float* x;
+  const float* dy;
+  int64_t images, inputs, outputs, height, width, out_height, out_width, stride;
+  int64_t chunks;  // image chunks; a task is one chunk and one output tile
+  float* partial;  // per chunk: [9 taps, C / 8, O / 32, 8, 32]
+  float* dw;       // [O, C, 3, 3]
+  int64_t tile_count() const { return outputs / kTileOutputs; }
+  int64_t size() const { return 9 * inputs * outputs; }
+};
+
+void weight_grad_share(void* data, size_t task) {
+  const WeightGradWork& w = *static_cast<const WeightGradWork*>(data);
+  const int64_t tiles = w.tile_count(), chunk = static_cast<int64_t>(task) / tiles;
+  const int64_t o0 = static_cast<int64_t>(task) % tiles * kTileOutputs;
+  const int64_t in_plane = w.height * w.width, out_plane = w.out_height * w.out_width * kBlock;
+  const int64_t x_image = w.inputs * in_plane, dy_image = w.outputs * w.out_height * w.out_width;
+  const int64_t x_row = w.stride * w.width, x_col = w.stride, dy_row = w.out_width * kBlock;
+  // Images are taken in groups whose tile rows stay in cache from one tap to the next; each tile call sums a
+  // group's images, so that small images do not reload the accumulators for every image.
+  const int64_t image_bytes = (kTileInputs * in_plane + kTileOutputs * w.out_height * w.out_width) * 4;
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / image_bytes);
+  float* sums = w.partial + chunk * w.size();
+  const int64_t last = (chunk + 1) * w.images / w.chunks;
+  for (int64_t n = chunk * w.images / w.chunks; n < last; n += group) {
+    const int64_t images = std::min(group, last - n);
+    const float* x = w.x + n * x_image;
+    const float* dy = w.dy + n * dy_image + (o0 / kBlock) * out_plane;
+    for (int64_t tap = 0; tap < 9; ++tap) {
+      const int64_t kh = tap / 3, kw = tap % 3;
+      const Span rows = valid_span(kh, w.stride, w.height, w.out_height);
+      const Span cols = valid_span(kw, w.stride, w.width, w.out_width);
+      if (rows.last <= rows.first || cols.last <= cols.first) continue;
+      const int64_t first_input = (w.stride * rows.first + kh - 1) * w.width + w.stride * cols.first + kw - 1;
+      const float* dy0 = dy + (rows.first * w.out_width + cols.first) * kBlock;
+      for (int64_t c0 = 0; c0 < w.inputs; c0 += kTileInputs) {
+        const float* xt = x + c0 * in_plane + first_input;
+        float* tile = sums + ((tap * (w.inputs / kTileInputs) + c0 / kTileInputs) * tiles + o0 / kTileOutputs) * kTileSize;
+        weight_grad_tile(xt, in_plane, x_image, x_row, x_col, dy0, dy0 + out_plane, dy_image, dy_row, images,
+                         rows.last - rows.first, cols.last - cols.first, tile);
+      }
+    }
+  }
+}
+
+// The chunks' sums of one tap's tile row (one tap, 8 input channels, every output channel) added up, in chunk order,
+// and written to dW.
+void weight_grad_total(void* data, size_t task) {
+  const WeightGradWork& w = *static_cast<const WeightGradWork*>(data);
+  const int64_t row = static_cast<int64_t>(task), span = w.tile_count() * kTileSize;
+  const int64_t tap = row / (w.inputs / kTileInputs), c0 = row % (w.inputs / kTileInputs) * kTileInputs;
+  std::vector<float> total(w.partial + row * span, w.partial + (row + 1) * span);
+  for (int64_t chunk = 1; chunk < w.chunks; ++chunk) {
+    const float* p = w.partial + chunk * w.size() + row * span;
+    for (int64_t i = 0; i < span; ++i) total[i] += p[i];
+  }
+  for (int64_t t = 0; t < w.tile_count(); ++t)
+    for (int64_t c = 0; c < kTileInputs; ++c)
+      for (int64_t o = 0; o < kTileOutputs; ++o)
+        w.dw[((t * kTileOutputs + o) * w.inputs + c0 + c) * 9 + tap] = total[(t * kTileInputs + c) * kTileOutputs + o];
+}
+
+OrtStatus* weight_grad_compute(void* kernel, OrtKernelContext* context) {
+  const int64_t stride = *static_cast<const int64_t*>(kernel);
+  Tensor x, dy;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  RETURN_IF_ERROR(read_input(context, 1, &dy));
+  const bool shapes = x.rank == 4 && dy.rank == 4 && x.dims[0] == dy.dims[0] &&
+                      dy.dims[2] == (x.dims[2] - 1) / stride + 1 && dy.dims[3] == (x.dims[3] - 1) / stride + 1 &&
+                      x.dims[1] % kTileInputs == 0 && dy.dims[1] % kTileOutputs == 0;
+  if (!shapes)
+    return api->error(kInvalidArgument,
+                      "ConvWeightGrad3x3: X must be [N, C, H, W] and dY [N, O, (H - 1) / stride + 1, (W - 1) / stride "
+                      "+ 1] (NCHWc-blocked by 16 channels), C a multiple of 8 and O of 32");
+  WeightGradWork work{};
+  work.x = x.data;
+  work.dy = dy.data;
+  work.images = x.dims[0];
+  work.inputs = x.dims[1];
+  work.outputs = dy.dims[1];
+  work.height = x.dims[2];
+  work.width = x.dims[3];
+  work.out_height = dy.dims[2];
+  work.out_width = dy.dims[3];
+  work.stride = stride;
+  const int64_t dims[4] = {work.outputs, work.inputs, 3, 3};
+  RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.dw));
+  const int64_t bytes = work.size() * static_cast<int64_t>(sizeof(float));
+  work.chunks = std::max<int64_t>(1, std::min({kMaxImageChunks, work.images, kPartialBytes / std::max<int64_t>(bytes, 1)}));
+  std::vector<float> partial(static_cast<size_t>(work.chunks * work.size()), 0.0f);
+  work.partial = partial.data();
+  if (work.images > 0)
+    RETURN_IF_ERROR(parallel_for(context, weight_grad_share, static_cast<size_t>(work.chunks * work.tile_count()), &work));
+  return parallel_for(context, weight_grad_total, static_cast<size_t>(9 * work.inputs / kTileInputs), &work);
+}
+
+OrtStatus* create_weight_grad(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
+  int64_t stride = 1;
+  RETURN_IF_ERROR(read_int(info, "stride", &stride));
+  if (stride != 1 && stride != 2) return api->error(kInvalidArgument, "ConvWeightGrad3x3: stride must be 1 or 2");
+  *kernel = new int64_t(stride);
+  return nullptr;
+}
+
+void destroy_weight_grad(void* kernel) { delete static_cast<int64_t*>(kernel); }
+
 }  // namespace
 
 const std::vector<OpDefinition>& conv_ops() {
@@ -410,6 +587,7 @@ const std::vector<OpDefinition>& conv_ops() {
       make_op("Interleave2x2Add", 5, 1, create_interleave, interleave_compute<true>, destroy_interleave),
       make_op("Subsample", 1, 1, create_subsample, subsample_compute, destroy_subsample),
       make_op("BlockWeight", 1, 1, create_block_weight, block_weight_compute, destroy_block_weight),
+      make_op("ConvWeightGrad3x3", 2, 1, create_weight_grad, weight_grad_compute, destroy_weight_grad),
   };
   return ops;
 }
