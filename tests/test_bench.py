@@ -581,6 +581,7 @@ def _backward_nodes(layer: ConvLayer, mask: list[bool], kernels: bool = False) -
         output_mask=mask,
         weight_grad_path="auto",
         kernels=kernels,
+        weight_kernel=kernels,
     )
     return [node for node in make_fx(backward)(gy, x, w).graph.nodes if node.op == "call_function"]
 

@@ -353,3 +353,22 @@ def test_a_conv_net_has_eagers_float64_accuracy_with_the_kernel_in_its_backward_
     ran = [event.name for event in profile.events()]
     assert ran.count("aten::convolution_backward") == 1, "only the stem's 3 input channels: PyTorch's kernel"
     assert wrapped.statistics.fallback_ops == 0
+
+
+@pytest.mark.skipif(not KERNEL, reason="the 3x3 weight-gradient kernel runs on AVX-512 CPUs")
+def test_where_onnx_runtime_blocks_other_channel_counts_pytorchs_kernel_keeps_the_weight_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_ort.engine.capture import aot
+
+    monkeypatch.setattr(aot, "nchwc_block_size", lambda: 8)  # as ONNX Runtime blocks on AVX2 CPUs
+    torch.manual_seed(0)
+    eager = _Blocks()
+    wrapped = ORTModule(copy.deepcopy(eager), fallback="raise")
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    wrapped(x).sum().backward()
+    eager(x).sum().backward()
+    assert_grads_close(wrapped, eager)
+    with torch.profiler.profile() as profile:
+        wrapped(x).sum().backward()
+    assert [event.name for event in profile.events()].count("aten::convolution_backward") == 3

@@ -51,6 +51,7 @@ from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
 from lightning_ort.engine.fx.silu import silus
+from lightning_ort.engine.onnx.passes import KERNEL_NCHWC_BLOCK, nchwc_block_size
 from lightning_ort.engine.runtime.cpu_kernels import kernel_library
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,
@@ -157,13 +158,14 @@ class CapturedGraph:
         if cpu_kernels:
             fuse_batch_norms(self._gm)
             replace_max_pools(self._gm)
+        conv_weight_kernel = cpu_kernels and nchwc_block_size() == KERNEL_NCHWC_BLOCK
         backend = aot_autograd(
             fw_compiler=self._graph_compiler("forward"),
             bw_compiler=self._graph_compiler("backward"),
             inference_compiler=self._graph_compiler("inference"),
             partition_fn=_partition,
             decompositions=capture_decompositions(
-                self._device.type, attention_path, self._options.conv_weight_grad, cpu_kernels
+                self._device.type, attention_path, self._options.conv_weight_grad, cpu_kernels, conv_weight_kernel
             ),
         )
         try:

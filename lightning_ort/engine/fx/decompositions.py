@@ -79,6 +79,7 @@ def convolution_backward(
     output_mask: Sequence[bool],
     weight_grad_path: ConvWeightGrad = "onnx",
     kernels: bool = False,
+    weight_kernel: bool = False,
 ) -> Any:
     """Gradients of an N-d convolution expressed with forward convolutions.
 
@@ -89,8 +90,9 @@ def convolution_backward(
 
     Where ``weight_grad_path`` leaves a layer's weight gradient to PyTorch's kernel (:func:`weight_grad_in_torch`),
     that gradient is ``aten.convolution_backward`` asking for it alone, which this decomposition then leaves
-    whole (``NotImplemented``), to run in PyTorch after the graph that computes ``grad_output``; with ``kernels``,
-    a 3x3 layer with stride 1 or 2 on a large image takes lightning_ort's kernel inside the graph instead
+    whole (``NotImplemented``), to run in PyTorch after the graph that computes ``grad_output``; with
+    ``weight_kernel`` (the kernels are built and ONNX Runtime's NCHWc block is the one the 3x3 weight-gradient
+    kernel reads), a 3x3 layer with stride 1 or 2 on a large image takes that kernel inside the graph instead
     (:func:`~lightning_ort.engine.fx.conv_weight_grad.weight_grad_kernel_applies`).
 
     Example:
@@ -108,7 +110,7 @@ def convolution_backward(
     torch_weight = output_mask[1] and weight_grad_in_torch(input, weight, padding, groups, weight_grad_path)
     kernel_weight = (
         torch_weight
-        and kernels
+        and weight_kernel
         and weight_grad_path == "auto"
         and weight_grad_kernel_applies(input, weight, stride, padding, dilation, groups)
     )
@@ -1289,11 +1291,13 @@ def capture_decompositions(
     attention_path: AttentionPath = "onnx",
     conv_weight_grad: ConvWeightGrad = "auto",
     cpu_kernels: bool = False,
+    conv_weight_kernel: bool = False,
 ) -> dict[Any, Callable[..., Any]]:
     """The decomposition table passed to AOTAutograd for graphs on ``device_type`` (``"cpu"``, ``"cuda"``).
 
     With ``cpu_kernels`` (lightning_ort's CPU kernels are built and checked), stride-2 convolutions' input
-    gradients take :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`, large 3x3 layers' weight gradients
+    gradients take :func:`~lightning_ort.engine.fx.conv_phases.phase_input_grad`, with ``conv_weight_kernel`` (the
+    NCHWc block is the kernel's too) large 3x3 layers' weight gradients
     :data:`~lightning_ort.engine.fx.conv_weight_grad.CONV3X3_WEIGHT_GRAD`, and on CPU GELU's, SiLU's and
     layer norm's gradients and group norm their kernels (:func:`~lightning_ort.engine.fx.gelu.gelu_backward`,
     :func:`~lightning_ort.engine.fx.silu.silu_backward`,
@@ -1358,7 +1362,10 @@ def capture_decompositions(
         aten.special_erfcx.default: erfcx,
         aten.special_log_ndtr.default: log_ndtr,
         aten.convolution_backward.default: functools.partial(
-            convolution_backward, weight_grad_path=conv_weight_grad, kernels=cpu_kernels
+            convolution_backward,
+            weight_grad_path=conv_weight_grad,
+            kernels=cpu_kernels,
+            weight_kernel=cpu_kernels and conv_weight_kernel,
         ),
         aten._embedding_bag.default: embedding_bag,
         aten._embedding_bag_backward.default: embedding_bag_backward,
