@@ -191,7 +191,7 @@ _CONV_WEIGHT_GRAD_3X3 = _op("ConvWeightGrad3x3", ["X", "dY"], ["dW"], {"stride":
 def conv3x3_weight_grad(input: Any, grad_output: Any, stride: int) -> Any:
     """:data:`~lightning_ort.engine.fx.conv_weight_grad.CONV3X3_WEIGHT_GRAD` as one ``ConvWeightGrad3x3`` node, on
     ``input`` and ``grad_output`` as they are: the CPU graph's NCHWc pass
-    (:func:`~lightning_ort.engine.onnx.passes.use_nchwc_convolutions`) gives it their blocked copies."""
+    (:func:`~lightning_ort.engine.onnx.passes.use_nchwc_convolutions`) gives it ``grad_output``'s blocked copy."""
     return _CONV_WEIGHT_GRAD_3X3(input, grad_output, stride=stride)
 
 

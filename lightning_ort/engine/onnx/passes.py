@@ -972,7 +972,9 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int, kernels: bool = F
     taps reversed (:func:`_flipped_kernel`), is blocked from the forward weight directly, without the transpose
     and the reversal (:func:`_flipped_nchwc`). The kernels of a stride-2 input gradient's phase convolutions,
     each a selection of one weight's taps (:func:`_tap_selection`), are tiles of that weight blocked once
-    (:func:`_selected_taps`).
+    (:func:`_selected_taps`). lightning_ort's ``ConvWeightGrad3x3`` reads its output gradient blocked: the copy
+    that the input gradient's convolution reads (:func:`_blocked_weight_grad`); it needs ``block`` to be
+    :data:`KERNEL_NCHWC_BLOCK`, which capture checks before it records the kernel.
 
     Example:
         >>> x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 16, 8, 8])

@@ -1,6 +1,6 @@
 // ONNX Runtime CPU kernels for convolutions: the weaving of a stride-2 convolution's input gradient, the
 // subsampling of a strided pointwise convolution's input for its weight gradient, the blocking of a weight into
-// the layout of ONNX Runtime's NCHWc convolution, and the weight gradient of a 3x3 convolution from NCHWc tensors.
+// the layout of ONNX Runtime's NCHWc convolution, and the weight gradient of a 3x3 convolution.
 //
 //   ai.lightning_ort::Interleave2x2(P00, P01, P10, P11) -> Y
 //       attributes: height, width (ints), Y's image size.
@@ -423,7 +423,7 @@ constexpr int64_t kTileInputs = 8;    // input channels per register tile
 constexpr int64_t kTileOutputs = 32;  // output channels per register tile: two blocks of dY
 constexpr int64_t kTileSize = kTileInputs * kTileOutputs;
 constexpr int64_t kMaxImageChunks = 4;
-constexpr int64_t kPartialBytes = 4 << 20;  // the most scratch the per-chunk sums may take
+constexpr int64_t kPartialBytes = 4 << 20;  // more chunks only while all their sums fit in this
 constexpr int64_t kGroupBytes = 256 << 10;  // a group of images' tile rows: 8 input planes, 32 output planes
 
 // sums[c, o] += sum over images n and output positions (y, x) of x_at(n, c, y, x) * dy(n, o, y, x) for one tap, c
