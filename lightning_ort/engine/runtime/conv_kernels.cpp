@@ -518,13 +518,13 @@ void weight_grad_share(void* data, size_t task) {
   }
 }
 
-// The chunks' sums of one tap's tile row (one tap, 8 input channels, every output channel) added up, in chunk order,
-// and written to dW.
+// The chunks' sums of one tap's tile row (one tap, 8 input channels, every output channel) added up in the first
+// chunk's, in chunk order, and written to dW.
 void weight_grad_total(void* data, size_t task) {
   const WeightGradWork& w = *static_cast<const WeightGradWork*>(data);
   const int64_t row = static_cast<int64_t>(task), span = w.tile_count() * kTileSize;
   const int64_t tap = row / (w.inputs / kTileInputs), c0 = row % (w.inputs / kTileInputs) * kTileInputs;
-  std::vector<float> total(w.partial + row * span, w.partial + (row + 1) * span);
+  float* total = w.partial + row * span;
   for (int64_t chunk = 1; chunk < w.chunks; ++chunk) {
     const float* p = w.partial + chunk * w.size() + row * span;
     for (int64_t i = 0; i < span; ++i) total[i] += p[i];
