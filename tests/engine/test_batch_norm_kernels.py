@@ -325,6 +325,80 @@ def test_a_gradient_of_one_value_per_plane_gives_what_its_expanded_form_gives(
         np.testing.assert_array_equal(ours, theirs, err_msg=name)
 
 
+def _to_blocks(t: np.ndarray) -> np.ndarray:
+    """``t`` ([N, C, H, W], C a multiple of 16) in ONNX Runtime's NCHWc layout with 16-channel blocks."""
+    n, c, h, w = t.shape
+    return np.ascontiguousarray(t.reshape(n, c // 16, 16, h, w).transpose(0, 1, 3, 4, 2)).reshape(t.shape)
+
+
+BLOCKS = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@pytest.mark.skipif(not BLOCKS, reason="the gradient's NCHWc form runs on AVX-512 CPUs")
+@pytest.mark.parametrize("clamp", [None, (0.0, math.inf), (-0.5, 0.5)], ids=["none", "relu", "hardtanh"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize(
+    ("channels", "size", "per_plane"),
+    [(16, (7, 7), False), (32, (8, 8), False), (48, (1, 1), False), (16, (3, 5), False), (32, (5, 5), True)],
+    ids=["tail", "whole-tiles", "one-position", "odd-tile", "per-plane"],
+)
+def test_the_gradient_in_nchwc_blocks_is_the_plain_gradient_reordered(
+    library: Path,
+    clamp: tuple[float, float] | None,
+    residual: bool,
+    channels: int,
+    size: tuple[int, int],
+    per_plane: bool,
+) -> None:
+    """With ``block=16`` the kernel reads dY and writes dX and dZ in 16-channel NCHWc blocks, X and Y plain: the
+    masked gradient dZ bit for bit the plain kernel's, dX, dscale and dbias up to the order of the float sums."""
+    rng = np.random.default_rng(channels + size[0])
+    shape = (3, channels, *size)
+    x = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal((3, channels, 1, 1) if per_plane else shape).astype(np.float32)
+    feeds = {
+        "x": x,
+        "w": (rng.random(channels) + 0.5).astype(np.float32),
+        "b": rng.standard_normal(channels).astype(np.float32),
+        "m": x.mean((0, 2, 3)).astype(np.float32),
+        "s": (1 / np.sqrt(x.var((0, 2, 3)) + 1e-5)).astype(np.float32),
+    }
+    if residual:
+        feeds["y"] = np.clip(rng.standard_normal(shape), *(clamp or (-np.inf, np.inf))).astype(np.float32)
+    low, high = clamp if clamp is not None else (0.0, math.inf)
+    attributes = {"clamp": int(clamp is not None), "min": low, "max": high}
+    op = "BatchNormAddTrainingGrad" if residual else "BatchNormTrainingGrad"
+    outputs = ["dx", "dw", "db", "dz"] if residual else ["dx", "dw", "db"]
+    shapes = {"g": None, **{name: value.shape for name, value in feeds.items()}}
+    plain_node = helper.make_node(op, ["g", *feeds], outputs, domain=DOMAIN, **attributes)
+    blocked_node = helper.make_node(op, ["g", *feeds], outputs, domain=DOMAIN, block=16, **attributes)
+    plain = kernel_session(plain_node, shapes).run(None, {"g": g, **feeds})
+    blocked = kernel_session(blocked_node, shapes).run(None, {"g": g if per_plane else _to_blocks(g), **feeds})
+    np.testing.assert_allclose(blocked[0], _to_blocks(plain[0]), rtol=1e-4, atol=1e-5, err_msg="dx")
+    np.testing.assert_allclose(blocked[1], plain[1], rtol=1e-5, atol=1e-5, err_msg="dscale")
+    np.testing.assert_allclose(blocked[2], plain[2], rtol=1e-5, atol=1e-5, err_msg="dbias")
+    if residual:
+        np.testing.assert_array_equal(blocked[3], _to_blocks(plain[3]), err_msg="dz")
+
+
+@pytest.mark.skipif(not BLOCKS, reason="the gradient's NCHWc form runs on AVX-512 CPUs")
+def test_the_gradient_in_nchwc_blocks_refuses_channels_that_are_not_whole_blocks(library: Path) -> None:
+    node = helper.make_node(
+        "BatchNormTrainingGrad",
+        ["g", "x", "w", "b", "m", "s"],
+        ["dx", "dw", "db"],
+        domain=DOMAIN,
+        clamp=0,
+        min=0.0,
+        max=math.inf,
+        block=16,
+    )
+    shapes = {"g": (2, 24, 4, 4), "x": (2, 24, 4, 4), "w": (24,), "b": (24,), "m": (24,), "s": (24,)}
+    feeds = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    with pytest.raises(Exception, match="block=16 needs block 16, C a multiple of 16 and an AVX-512 CPU; C is 24"):
+        kernel_session(node, shapes).run(None, feeds)
+
+
 def test_a_gradient_of_neither_shape_is_refused_with_both_shapes_named(library: Path) -> None:
     shapes = {"g": (2, 3, 2, 1), "x": (2, 3, 4, 4), "w": (3,), "b": (3,), "m": (3,), "s": (3,)}
     session = kernel_session(_grad_node(None), shapes)

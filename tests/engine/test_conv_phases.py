@@ -33,11 +33,17 @@ needs_nchwc = pytest.mark.skipif(nchwc_block_size() == 0, reason="this CPU has n
 
 
 def _interleave_session(
-    shapes: list[list[int]], height: int, width: int, op: str = "Interleave2x2"
+    shapes: list[list[int]], height: int, width: int, op: str = "Interleave2x2", **attributes: int
 ) -> ort.InferenceSession:
     names = ["p00", "p01", "p10", "p11", "z"][: len(shapes)]
-    node = helper.make_node(op, names, ["y"], domain=DOMAIN, height=height, width=width)
+    node = helper.make_node(op, names, ["y"], domain=DOMAIN, height=height, width=width, **attributes)
     return kernel_session(node, dict(zip(names, shapes, strict=True)))
+
+
+def _to_blocks(t: torch.Tensor) -> np.ndarray:
+    """``t`` ([N, C, H, W], C a multiple of 16) in ONNX Runtime's NCHWc layout with 16-channel blocks."""
+    n, c, h, w = t.shape
+    return t.reshape(n, c // 16, 16, h, w).permute(0, 1, 3, 4, 2).contiguous().reshape(n, c, h, w).numpy()
 
 
 @pytest.mark.parametrize(("height", "width"), [(8, 8), (7, 9), (1, 6), (5, 1)])
@@ -70,6 +76,35 @@ def test_the_kernel_adds_the_projections_gradient_to_the_even_rows_even_columns(
     session = _interleave_session([*shapes, shapes[0]], height, width, "Interleave2x2Add")
     (actual,) = session.run(None, {n: p.numpy() for n, p in zip(names, [*phases, projection], strict=True)})
     np.testing.assert_array_equal(actual, expected.numpy())
+
+
+@pytest.mark.parametrize(("height", "width", "extra"), [(8, 8, 0), (7, 9, 1), (1, 6, 0)])
+@pytest.mark.parametrize("op", ["Interleave2x2", "Interleave2x2Add"])
+def test_the_kernel_weaves_nchwc_blocks_as_the_op_does_bit_for_bit(
+    library: Path, height: int, width: int, extra: int, op: str
+) -> None:
+    """With ``block=16`` the phases, Z and Y are in 16-channel NCHWc blocks: Y is the plain weave, reordered."""
+    generator = torch.Generator().manual_seed(height * width + extra)
+    shapes = [[2, 32, (height - a + 1) // 2 + extra, (width - b + 1) // 2 + extra] for a in (0, 1) for b in (0, 1)]
+    tensors = [torch.randn(shape, generator=generator) for shape in shapes]
+    if op == "Interleave2x2Add":
+        shapes.append(shapes[0])
+        tensors.append(torch.randn(shapes[0], generator=generator))
+    expected = interleave_2x2_op(*tensors[:4], height, width)
+    if op == "Interleave2x2Add":
+        expected[..., ::2, ::2] += tensors[4][..., : (height + 1) // 2, : (width + 1) // 2]
+    session = _interleave_session(shapes, height, width, op, block=16)
+    names = ["p00", "p01", "p10", "p11", "z"]
+    (actual,) = session.run(None, {n: _to_blocks(t) for n, t in zip(names, tensors, strict=False)})
+    np.testing.assert_array_equal(actual, _to_blocks(expected))
+
+
+def test_the_kernel_refuses_nchwc_blocks_of_part_of_a_block(library: Path) -> None:
+    shapes = [[1, 24, 4, 4]] * 4
+    session = _interleave_session(shapes, 8, 8, block=16)
+    feeds = {n: np.ones(s, np.float32) for n, s in zip(["p00", "p01", "p10", "p11"], shapes, strict=True)}
+    with pytest.raises(Exception, match=r"Interleave2x2: block=16 needs block 16 and C a multiple of 16; C is 24"):
+        session.run(None, feeds)
 
 
 def test_a_phase_smaller_than_its_share_of_the_image_is_refused(library: Path) -> None:

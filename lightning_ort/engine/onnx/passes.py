@@ -42,6 +42,9 @@
   gradients) becomes a product with a row of ones.
 * :func:`read_pooled_grads_per_plane` (CPU graphs): a global average pool's gradient reaches the batch-norm
   gradient kernel before it one value per plane, instead of expanded over each plane by ``Expand`` and ``Div``.
+* :func:`keep_gradients_blocked` (CPU graphs with lightning_ort's kernels, AVX-512): the backward's gradients
+  stay in NCHWc blocks between the convolutions that write and read them, through the batch-norm gradients and
+  the phase weave, instead of a ``ReorderOutput`` and a ``ReorderInput`` around each.
 * :func:`pad_by_concat` (CUDA graphs): a constant ``Pad`` of a type the CUDA provider has no ``Pad`` kernel for
   (integers: Hugging Face's causal-LM loss pads its labels) becomes a ``Concat`` with constant blocks, so that it
   runs on the GPU instead of between two copies to and from the host (:func:`cuda_host_nodes` finds what is left).
@@ -87,6 +90,10 @@ class OnnxPass:
 
 def _nchwc_convolutions(model: onnx.ModelProto) -> int:
     return use_nchwc_convolutions(model, nchwc_block_size(), kernels=uses_kernels(model))
+
+
+def _blocked_gradients(model: onnx.ModelProto) -> int:
+    return keep_gradients_blocked(model, nchwc_block_size())
 
 
 DISABLED_ORT_OPTIMIZERS = ("MatmulTransposeFusion",)
@@ -913,6 +920,10 @@ def weave_projection_grads(model: onnx.ModelProto) -> int:
         graph.value_info.append(
             helper.make_tensor_value_info(kernel, onnx.TensorProto.FLOAT, [in_channels, out_channels, 1, 1])
         )
+        batch, _, *image = values[transposed.input[0]].dims
+        graph.value_info.append(
+            helper.make_tensor_value_info(grad, onnx.TensorProto.FLOAT, [batch, in_channels, *image])
+        )
         removed.update({id(weave), id(transposed)})
     if rewrites:
         nodes: list[onnx.NodeProto] = []
@@ -1130,7 +1141,7 @@ def read_pooled_grads_per_plane(model: onnx.ModelProto) -> int:
     values = _values(graph)
     divisors = {init.name for init in graph.initializer if math.prod(init.dims) == 1}
     dropped: set[int] = set()
-    resized: set[str] = set()
+    resized: dict[str, _Value] = {}
     for node in nodes:
         if node.domain != DOMAIN or node.op_type not in ("BatchNormTrainingGrad", "BatchNormAddTrainingGrad"):
             continue
@@ -1149,11 +1160,214 @@ def read_pooled_grads_per_plane(model: onnx.ModelProto) -> int:
             continue
         div.input[0] = expand.input[0]
         dropped.add(id(expand))
-        resized.add(div.output[0])
+        resized[div.output[0]] = pooled
     if dropped:
         _replace_nodes(graph, [node for node in nodes if id(node) not in dropped])
-        _keep_value_info(graph, {value.name for value in graph.value_info} - resized)
+        _keep_value_info(graph, {value.name for value in graph.value_info} - set(resized))
+        graph.value_info.extend(
+            helper.make_tensor_value_info(name, value.elem_type, list(value.dims)) for name, value in resized.items()
+        )
     return len(dropped)
+
+
+_BLOCKED_GRADIENTS = {"BatchNormTrainingGrad": (0,), "BatchNormAddTrainingGrad": (0, 3)}
+"""lightning_ort's batch-norm gradient kernels that read dY and write these outputs in NCHWc blocks (``block``)."""
+
+_BLOCKED_WEAVES = ("Interleave2x2", "Interleave2x2Add")
+
+_BLOCKED_GRADIENT_CACHE_BYTES = 1 << 20
+"""The most data a batch-norm gradient's block of channels may span for :func:`keep_gradients_blocked` to give it
+the NCHWc layout: an L2 cache. Its second pass re-reads the block, which plain runs one channel at a time, each
+channel's data 1/16 of a block's; where a block outgrows the cache, that re-read comes from memory and costs
+more than the reorders it saves (docs/performance.md, "Gradients in NCHWc blocks")."""
+
+
+def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:
+    """Keep the backward's gradients in NCHWc blocks between the convolutions that produce and read them; in place.
+
+    After :func:`use_nchwc_convolutions`, each input-gradient convolution of a conv/batch-norm net writes its
+    result in ``block``-channel NCHWc blocks, a ``ReorderOutput`` turns it plain for the batch-norm gradient, and
+    a ``ReorderInput`` blocks that gradient's result again for the next convolution (and lightning_ort's 3x3
+    weight-gradient kernel): two passes over each activation-sized gradient that carry nothing. Here lightning_ort's
+    kernels between them take the blocked layout instead (their ``block`` attribute): the batch-norm gradients
+    (dY, dX and a residual's dZ; X and Y stay plain, as the forward saved them) and the phase weave of a stride-2
+    convolution's input gradient, and so does a standard ``Add`` of two blocked gradients (a residual's sum, the
+    same elementwise in either layout). A value a switched node writes gets one ``ReorderOutput`` for the readers
+    that need it plain (PyTorch, a weight gradient's product); ``ReorderInput`` nodes of a value now blocked are
+    dropped, and ``ReorderOutput`` nodes left unread. A node switches where that drops more reorders than it adds.
+    The kernels read 16-channel blocks on AVX-512 CPUs (:data:`KERNEL_NCHWC_BLOCK`); other blocks change
+    nothing. Returns the number of nodes switched.
+
+    Example:
+        >>> shape = [2, 32, 8, 8]
+        >>> x, dy = (helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("x", "dy"))
+        >>> nodes = [
+        ...     helper.make_node("ReorderInput", ["dy"], ["dy_b"], domain=_NCHWC),
+        ...     helper.make_node("Conv", ["dy_b", "w"], ["dg_b"], domain=_NCHWC),
+        ...     helper.make_node("ReorderOutput", ["dg_b"], ["dg"], domain=_NCHWC, channels=32),
+        ...     helper.make_node("BatchNormTrainingGrad", ["dg", "x", "s", "b", "m", "i"], ["dx", "ds", "db"],
+        ...                      domain=DOMAIN),
+        ...     helper.make_node("ReorderInput", ["dx"], ["dx_b"], domain=_NCHWC),
+        ...     helper.make_node("Conv", ["dx_b", "w2"], ["out_b"], domain=_NCHWC),
+        ... ]
+        >>> graph = helper.make_graph(nodes, "g", [x, dy], [], value_info=[
+        ...     helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("dg", "dx")])
+        >>> model = helper.make_model(graph, opset_imports=[helper.make_opsetid(DOMAIN, 1)])
+        >>> keep_gradients_blocked(model, 16), [n.op_type for n in model.graph.node]
+        (1, ['ReorderInput', 'Conv', 'BatchNormTrainingGrad', 'Conv'])
+    """
+    if block != KERNEL_NCHWC_BLOCK or not uses_kernels(model) or _has_subgraphs(model.graph):
+        return 0
+    graph = model.graph
+    nodes = list(graph.node)
+    values = _values(graph)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    graph_outputs = {output.name for output in graph.output}
+    twins = {
+        node.output[0]: node.input[0]
+        for node in nodes
+        if _is_nchwc(node, "ReorderOutput")
+        and not _attributes(node).get("channels_last", 0)
+        and _whole_blocks(values.get(node.output[0]), block)
+    }
+    taken = {name for node in nodes for name in node.output} | {value.name for value in graph.input}
+    rewritten: list[onnx.NodeProto] = []
+    reorders: list[onnx.NodeProto] = []
+    switched = 0
+    for node in nodes:
+        layout = _blocked_layout(node, values, block)
+        if layout is None or not _switch_pays(node, layout, twins, readers, graph_outputs, block):
+            rewritten.append(node)
+            continue
+        ins, outs = layout
+        for index in ins:
+            node.input[index] = twins[node.input[index]]
+        if node.domain == DOMAIN:
+            node.attribute.append(helper.make_attribute("block", block))
+        rewritten.append(node)
+        for index in outs:
+            plain = node.output[index]
+            blocked = _fresh_name(f"{plain}_nchwc", taken)
+            node.output[index] = blocked
+            twins[plain] = blocked
+            channels = values[plain].dims[1]
+            reorder = helper.make_node(
+                "ReorderOutput", [blocked], [plain], f"{blocked}_reorder_output", domain=_NCHWC, channels=channels
+            )
+            rewritten.append(reorder)
+            reorders.append(reorder)
+        switched += 1
+    if not switched:
+        return 0
+    renamed: dict[str, str] = {}
+    kept: list[onnx.NodeProto] = []
+    for node in rewritten:
+        for index, name in enumerate(node.input):
+            node.input[index] = renamed.get(name, name)
+        if (
+            _is_nchwc(node, "ReorderInput")
+            and node.input[0] in twins
+            and not _attributes(node).get("channels_last", 0)
+            and node.output[0] not in graph_outputs
+        ):
+            renamed[node.output[0]] = twins[node.input[0]]
+            continue
+        kept.append(node)
+    reorders += [node for node in kept if _is_nchwc(node, "ReorderOutput")]
+    _replace_nodes(graph, _without_unread(kept, reorders, graph))
+    return switched
+
+
+def _whole_blocks(value: _Value | None, block: int) -> bool:
+    """Whether ``value`` is a float32 ``[N, C, H, W]`` of static channels, ``C`` a multiple of ``block``: the same
+    shape plain and in NCHWc blocks."""
+    return (
+        value is not None
+        and value.elem_type == onnx.TensorProto.FLOAT
+        and len(value.dims) == 4
+        and isinstance(value.dims[1], int)
+        and value.dims[1] > 0
+        and value.dims[1] % block == 0
+    )
+
+
+def _blocked_layout(
+    node: onnx.NodeProto, values: dict[str, _Value], block: int
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The inputs and outputs of ``node`` that :func:`keep_gradients_blocked` could keep in NCHWc blocks, or
+    ``None`` where it cannot take that layout."""
+    if node.domain == DOMAIN and node.op_type in _BLOCKED_GRADIENTS:
+        x, grad = values.get(node.input[1]), values.get(node.input[0])
+        if not _whole_blocks(x, block) or grad is None or x is None or x.static_shape is None:
+            return None
+        per_plane = list(grad.dims) == [*x.dims[:2], 1, 1]
+        if not per_plane and grad.dims != x.dims:
+            return None
+        batch, _, height, width = x.static_shape
+        planes = len(node.input) - 4 - int(per_plane)  # dY, X and Y: the arrays both passes read
+        if batch * height * width * block * 4 * planes > _BLOCKED_GRADIENT_CACHE_BYTES:
+            return None
+        return (() if per_plane else (0,)), _BLOCKED_GRADIENTS[node.op_type]
+    if node.domain == DOMAIN and node.op_type in _BLOCKED_WEAVES:
+        if not all(_whole_blocks(values.get(name), block) for name in [*node.input, node.output[0]]):
+            return None
+        return tuple(range(len(node.input))), (0,)
+    if node.op_type == "Add" and _in_default_domain(node) and len(node.input) == 2:
+        shapes = {values[name].dims if name in values else None for name in [*node.input, node.output[0]]}
+        if len(shapes) != 1 or not _whole_blocks(values.get(node.output[0]), block):
+            return None
+        return (0, 1), (0,)
+    return None
+
+
+def _switch_pays(
+    node: onnx.NodeProto,
+    layout: tuple[tuple[int, ...], tuple[int, ...]],
+    twins: dict[str, str],
+    readers: dict[str, list[onnx.NodeProto]],
+    graph_outputs: set[str],
+    block: int,
+) -> bool:
+    """Whether ``node`` should read and write NCHWc blocks: each of its layout inputs has a blocked copy, and
+    the reorders it drops (its inputs' ``ReorderOutput``, its outputs' ``ReorderInput``) outnumber those it adds
+    (a ``ReorderOutput`` for each output read plain, but by nodes that may take blocks themselves)."""
+    ins, outs = layout
+    if any(node.input[index] not in twins for index in ins):
+        return False
+    dropped, added = len(ins), 0
+    for index in outs:
+        name = node.output[index]
+        kinds = [_reader_kind(reader, name) for reader in readers.get(name, [])]
+        dropped += kinds.count("reorder")
+        if "plain" in kinds or name in graph_outputs:
+            added += 1
+    return dropped > added
+
+
+def _reader_kind(reader: onnx.NodeProto, name: str) -> str:
+    """How ``reader`` reads ``name`` for :func:`_switch_pays`: through a ``ReorderInput`` (``"reorder"``), as a
+    node that may take NCHWc blocks (``"blocks"``), or plain."""
+    if _is_nchwc(reader, "ReorderInput") and not _attributes(reader).get("channels_last", 0):
+        return "reorder"
+    if reader.domain == DOMAIN and reader.op_type in _BLOCKED_GRADIENTS:
+        return "blocks" if reader.input[0] == name else "plain"
+    if (reader.domain == DOMAIN and reader.op_type in _BLOCKED_WEAVES) or (
+        reader.op_type == "Add" and _in_default_domain(reader)
+    ):
+        return "blocks"
+    return "plain"
+
+
+def _fresh_name(name: str, taken: set[str]) -> str:
+    """``name``, or ``name`` with the first free numeric suffix, added to ``taken``."""
+    fresh, suffix = name, 1
+    while fresh in taken:
+        fresh, suffix = f"{name}_{suffix}", suffix + 1
+    taken.add(fresh)
+    return fresh
 
 
 def _is_nchwc(node: onnx.NodeProto | None, op_type: str) -> bool:
@@ -1818,6 +2032,7 @@ PASSES = (
     OnnxPass("masks scaled by DequantizeLinear", dequantize_scaled_masks, _CPU),
     OnnxPass("row sums as products", sum_rows_by_product, _CPU),
     OnnxPass("pooled gradients read per plane by batch-norm gradients", read_pooled_grads_per_plane, _CPU),
+    OnnxPass("gradients kept in NCHWc blocks between convolutions", _blocked_gradients, _CPU),
     OnnxPass("integer pads as concatenations", pad_by_concat, _CUDA),
     OnnxPass("bfloat16 ops without a CUDA kernel computed in float32", compute_cuda_bfloat16_gaps_in_float, _CUDA),
     OnnxPass("reshapes removed", collapse_reshapes),

@@ -17,13 +17,18 @@
 //       it. v is recomputed from X: the forward's output need not be kept for it. dY is X's shape, or
 //       [N, C, 1, ...]: one value per image plane, the same at each of its positions (the gradient of a global
 //       average pool after the batch norm, not expanded).
+//       attribute block (int, 0 when absent): 16 reads dY and writes dX in ONNX Runtime's NCHWc layout of
+//       16-channel blocks (ReorderInput's), X still plain: the layout of the convolutions that produce dY and
+//       read dX, so that no reorder runs between them (C a multiple of 16; an AVX-512 CPU). A dY of one value
+//       per plane is read as it is.
 //   ai.lightning_ort::BatchNormAddTraining(X, scale, bias, running_mean, running_var, Z)
 //           -> (Y, mean, invstd, new_running_mean, new_running_var)
 //       As BatchNormTraining, with Z (X's shape) added before the clamp: Y = clamp(x * a + b + z), a residual
 //       block's relu(bn(conv(h)) + skip).
 //   ai.lightning_ort::BatchNormAddTrainingGrad(dY, X, scale, bias, mean, invstd, Y) -> (dX, dscale, dbias, dZ)
 //       As BatchNormTrainingGrad, with the clamp's mask read from the forward's output Y (min < y < max holds
-//       where min < v < max did, v = x * a + b + z), and dZ the masked dY.
+//       where min < v < max did, v = x * a + b + z), and dZ the masked dY. With block = 16, dZ is blocked too
+//       and Y plain, as X.
 //
 // X is [N, C, spatial...] float32, contiguous; the statistics are per channel over N and the spatial dims,
 // accumulated in double. Work is split by channel over the session's intra-op thread pool.
@@ -37,6 +42,7 @@
 #include <vector>
 
 #include "ort_custom_ops.h"
+#include "x86_tiles.h"
 
 namespace lightning_ort_kernels {
 namespace {
@@ -449,6 +455,7 @@ struct BackwardWork {
   int clamp;
   Bounds bounds;
   bool grad_per_plane;  // dY is [N, C, 1, ...]
+  bool blocked;         // dY (unless per plane), dX and dZ in 16-channel NCHWc blocks
 };
 
 // dY at image n, channels [first, last) of a block: dY itself, or, for a dY of one value per plane, each
@@ -606,10 +613,153 @@ void backward_block(void* data, size_t task) {
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The gradient in NCHWc blocks: one task per block of kChannelBlock channels. In that layout one image's block is
+// [S, 16], a vector of the block's channels per position, and X's 16 planes are transposed to it in registers, 16
+// positions at a time, so that each vector lane is one channel throughout: the sums are lane-wise, in float over
+// a tile's positions and in double across tiles, and dX and dZ are written a vector per position. The elementwise
+// arithmetic is the plain path's, operation for operation, so both give the same dX for the same sums.
+
+constexpr int64_t kChannelBlock = 16;
+
+#if X86_VECTORS
+struct ChannelVectors {
+  __m512 a, b, mean, lo, hi;
+};
+
+// Rows r[0..15]: the block's 16 planes at positions [p, p + count), from plane 0 at `plane` (rows `spatial`
+// apart), zero beyond count; transposed, r[q] holds the 16 channels at position p + q.
+__attribute__((target("avx512f"))) inline void load_positions(const float* plane, int64_t spatial, int64_t count,
+                                                              __m512 r[16]) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+  for (int64_t j = 0; j < kChannelBlock; ++j) r[j] = _mm512_maskz_loadu_ps(mask, plane + j * spatial);
+  transpose_16x16(r);
+}
+
+// g where the clamp's input, v (X normalized) or y (the forward's output after a residual add), was strictly
+// inside the bounds, else 0; as kept().
+template <int kClamp, bool kResidual>
+__attribute__((target("avx512f"))) inline __m512 masked16(__m512 g, __m512 x, __m512 y, const ChannelVectors& v) {
+  if constexpr (kClamp == kNone) return g;
+  const __m512 in = kResidual ? y : _mm512_add_ps(_mm512_mul_ps(x, v.a), v.b);
+  __mmask16 inside = _mm512_cmp_ps_mask(in, v.lo, _CMP_GT_OQ);
+  if constexpr (kClamp == kBoth) inside &= _mm512_cmp_ps_mask(in, v.hi, _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(inside, g);
+}
+
+// The block's dY vector at a position of image n (its block starting at offset), or its one value per plane.
+__attribute__((target("avx512f"))) inline __m512 grad_at(const BackwardWork& w, int64_t offset, __m512 per_plane,
+                                                         int64_t position) {
+  return w.grad_per_plane ? per_plane : _mm512_loadu_ps(w.grad + offset + position * kChannelBlock);
+}
+
+__attribute__((target("avx512f"))) inline void add_to(double* sums, __m512 v) {
+  const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  _mm512_storeu_pd(sums, _mm512_add_pd(_mm512_loadu_pd(sums), low));
+  _mm512_storeu_pd(sums + 8, _mm512_add_pd(_mm512_loadu_pd(sums + 8), high));
+}
+
+// Image n's block, from first, in tiles of up to 16 positions: X's (and Y's) planes transposed into x (and y),
+// so that x[q] holds the 16 channels at the tile's position q, as dY does.
+struct Tiles {
+  int64_t offset;  // the block's start in image n, in either layout
+  __m512 per_plane;
+};
+
+__attribute__((target("avx512f"))) inline Tiles tiles_of(const BackwardWork& w, int64_t n, int64_t first) {
+  const Layout& l = w.layout;
+  const __m512 per_plane = w.grad_per_plane ? _mm512_loadu_ps(w.grad + n * l.channels + first) : _mm512_setzero_ps();
+  return {(n * l.channels + first) * l.spatial, per_plane};
+}
+
+// Loads the tile of up to 16 positions from p of X (and Y) into x (and y); returns its positions.
+template <bool kResidual>
+__attribute__((target("avx512f"))) inline int64_t load_tile(const BackwardWork& w, const Tiles& t, int64_t p,
+                                                            __m512 x[16], __m512 y[16]) {
+  const int64_t count = std::min<int64_t>(16, w.layout.spatial - p);
+  load_positions(w.x + t.offset + p, w.layout.spatial, count, x);
+  if constexpr (kResidual) load_positions(w.y + t.offset + p, w.layout.spatial, count, y);
+  return count;
+}
+
+// The block's dY at a position, kept by the clamp of its x (or y) there.
+template <int kClamp, bool kResidual>
+__attribute__((target("avx512f"))) inline __m512 tile_grad(const BackwardWork& w, const Tiles& t, int64_t position,
+                                                           __m512 x, __m512 y, const ChannelVectors& v) {
+  return masked16<kClamp, kResidual>(grad_at(w, t.offset, t.per_plane, position), x, kResidual ? y : x, v);
+}
+
+template <int kClamp, bool kResidual>
+__attribute__((target("avx512f"))) void blocked_backward_with(const BackwardWork& w, int64_t first) {
+  const Layout& l = w.layout;
+  float a[kChannelBlock], b[kChannelBlock];
+  for (int64_t j = 0; j < kChannelBlock; ++j) {
+    const int64_t c = first + j;
+    const Affine f = affine(w.scale[c], w.bias[c], w.mean[c], w.invstd[c]);
+    a[j] = f.a;
+    b[j] = f.b;
+  }
+  const ChannelVectors v{_mm512_loadu_ps(a), _mm512_loadu_ps(b), _mm512_loadu_ps(w.mean + first),
+                         _mm512_set1_ps(w.bounds.lo), _mm512_set1_ps(w.bounds.hi)};
+  __m512 x[16], y[16] = {};  // y: read after a residual add only
+  double sum[kChannelBlock] = {}, dot[kChannelBlock] = {};
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const Tiles t = tiles_of(w, n, first);
+    for (int64_t p = 0; p < l.spatial; p += 16) {
+      const int64_t count = load_tile<kResidual>(w, t, p, x, y);
+      __m512 s = _mm512_setzero_ps(), d = _mm512_setzero_ps();
+      for (int64_t q = 0; q < count; ++q) {
+        const __m512 g = tile_grad<kClamp, kResidual>(w, t, p + q, x[q], y[q], v);
+        s = _mm512_add_ps(s, g);
+        d = _mm512_add_ps(d, _mm512_mul_ps(g, _mm512_sub_ps(x[q], v.mean)));
+      }
+      add_to(sum, s);
+      add_to(dot, d);
+    }
+  }
+  const double count = static_cast<double>(l.batch * l.spatial);
+  float shift[kChannelBlock], projection[kChannelBlock], scale[kChannelBlock];
+  for (int64_t j = 0; j < kChannelBlock; ++j) {
+    const int64_t c = first + j;
+    const double invstd = w.invstd[c];
+    w.grad_scale[c] = static_cast<float>(dot[j] * invstd);
+    w.grad_bias[c] = static_cast<float>(sum[j]);
+    shift[j] = static_cast<float>(sum[j] / count);
+    projection[j] = static_cast<float>(dot[j] * invstd * invstd / count);
+    scale[j] = static_cast<float>(static_cast<double>(w.scale[c]) * invstd);
+  }
+  const __m512 shifts = _mm512_loadu_ps(shift), projections = _mm512_loadu_ps(projection);
+  const __m512 scales = _mm512_loadu_ps(scale);
+  for (int64_t n = 0; n < l.batch; ++n) {
+    const Tiles t = tiles_of(w, n, first);
+    for (int64_t p = 0; p < l.spatial; p += 16) {
+      const int64_t count = load_tile<kResidual>(w, t, p, x, y);
+      for (int64_t q = 0; q < count; ++q) {
+        const int64_t at = t.offset + (p + q) * kChannelBlock;
+        const __m512 g = tile_grad<kClamp, kResidual>(w, t, p + q, x[q], y[q], v);
+        const __m512 centred = _mm512_mul_ps(_mm512_sub_ps(x[q], v.mean), projections);
+        _mm512_storeu_ps(w.grad_x + at, _mm512_mul_ps(_mm512_sub_ps(_mm512_sub_ps(g, shifts), centred), scales));
+        if constexpr (kResidual) _mm512_storeu_ps(w.grad_z + at, g);
+      }
+    }
+  }
+}
+
+void blocked_backward_block(void* data, size_t task) {
+  const BackwardWork& w = *static_cast<const BackwardWork*>(data);
+  with_modes(w.clamp, w.y != nullptr, [&](auto mode, auto residual) {
+    blocked_backward_with<decltype(mode)::value, decltype(residual)::value>(
+        w, static_cast<int64_t>(task) * kChannelBlock);
+  });
+}
+#endif
+
 struct BackwardKernel {
   int clamp;
   Bounds bounds;
   bool residual;  // BatchNormAddTrainingGrad
+  int64_t block;  // 0, or kChannelBlock: dY, dX and dZ in NCHWc blocks
 };
 
 OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
@@ -637,6 +787,17 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
     RETURN_IF_ERROR(read_input(context, 6, &y));
     RETURN_IF_ERROR(check_same_shape(y, x, op, "Y"));
   }
+  if (k.block != 0) {
+#if X86_VECTORS
+    const bool vectors = __builtin_cpu_supports("avx512f");
+#else
+    const bool vectors = false;
+#endif
+    if (!vectors || k.block != kChannelBlock || layout.channels % kChannelBlock != 0)
+      return api->error(kInvalidArgument, std::string(op) + ": block=" + std::to_string(k.block) +
+                                              " needs block 16, C a multiple of 16 and an AVX-512 CPU; C is " +
+                                              std::to_string(layout.channels));
+  }
   BackwardWork work{};
   work.grad = grad.data;
   work.grad_per_plane = grad.numel() != x.numel();  // the [N, C, 1, ...] form, checked above
@@ -650,6 +811,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   work.blocks = blocks_of(layout, kGradPlanes);
   work.clamp = k.clamp;
   work.bounds = k.bounds;
+  work.blocked = k.block != 0;
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.grad_scale));
@@ -659,6 +821,11 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
     for (int64_t c = 0; c < layout.channels; ++c) work.grad_scale[c] = work.grad_bias[c] = 0.0f;
     return nullptr;
   }
+#if X86_VECTORS
+  if (work.blocked)
+    return parallel_for(context, blocked_backward_block, static_cast<size_t>(layout.channels / kChannelBlock),
+                        &work);
+#endif
   return parallel_for(context, backward_block, static_cast<size_t>(work.blocks.count), &work);
 }
 
@@ -690,6 +857,7 @@ OrtStatus* create_backward(const OrtCustomOp*, const void*, const OrtKernelInfo*
   BackwardKernel k{};
   RETURN_IF_ERROR(read_clamp(info, &k.clamp, &k.bounds));
   k.residual = kResidual;
+  read_int_or(info, "block", 0, &k.block);
   *kernel = new BackwardKernel(k);
   return nullptr;
 }

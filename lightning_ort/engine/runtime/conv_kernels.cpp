@@ -8,10 +8,13 @@
 //       cols_ab >= (width - b + 1) / 2. Y is [N, C, height, width] with Y[n, c, 2u + a, 2v + b] = Pab[n, c, u, v];
 //       what lies beyond in a phase is not read.
 //
+//       attribute block (int, 0 when absent): 16 reads the phases and writes Y in ONNX Runtime's NCHWc layout of
+//       16-channel blocks (C a multiple of 16), the layout of the phase convolutions that produce them.
+//
 //   ai.lightning_ort::Interleave2x2Add(P00, P01, P10, P11, Z) -> Y
 //       The same, with Z ([N, C, rows, cols] like P00) added to the even rows' even columns: the input gradient of
 //       a strided 1x1 projection that reads the same tensor as the 3x3 convolution whose phases these are, which
-//       lands on exactly those positions.
+//       lands on exactly those positions. With block = 16, Z is blocked too.
 //
 //   ai.lightning_ort::Subsample(X) -> Y
 //       attributes: row_step, col_step (ints, >= 1).
@@ -53,19 +56,13 @@
 #include <vector>
 
 #include "ort_custom_ops.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define X86_VECTORS 1
-#else
-#define X86_VECTORS 0
-#endif
+#include "x86_tiles.h"
 
 namespace lightning_ort_kernels {
 namespace {
 
-struct ImageSize {
-  int64_t height, width;
+struct InterleaveKernel {
+  int64_t height, width, block;
 };
 
 struct InterleaveWork {
@@ -73,45 +70,52 @@ struct InterleaveWork {
   int64_t rows[5], cols[5];
   float* out;
   int64_t height, width;
-  Chunks planes;
+  Chunks planes;  // planes of single channels, or of kLanes-channel blocks
 };
 
 // One output row from the two phases of its parity: even columns from `even` (plus `addend`'s with kAdd; it is
-// not read otherwise), odd ones from `odd`.
-template <bool kAdd>
+// not read otherwise), odd ones from `odd`. A position is kLanes floats: one channel's value, or an NCHWc block's.
+template <bool kAdd, int64_t kLanes>
 KERNEL_CLONES void weave_row(const float* __restrict even, const float* __restrict addend,
                              const float* __restrict odd, float* __restrict out, int64_t width) {
   const int64_t pairs = width / 2;
-  for (int64_t v = 0; v < pairs; ++v) {
-    out[2 * v] = kAdd ? even[v] + addend[v] : even[v];
-    out[2 * v + 1] = odd[v];
-  }
-  if (width % 2) out[width - 1] = kAdd ? even[pairs] + addend[pairs] : even[pairs];
+  for (int64_t v = 0; v < pairs; ++v)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      out[2 * v * kLanes + j] = kAdd ? even[v * kLanes + j] + addend[v * kLanes + j] : even[v * kLanes + j];
+      out[(2 * v + 1) * kLanes + j] = odd[v * kLanes + j];
+    }
+  if (width % 2)
+    for (int64_t j = 0; j < kLanes; ++j)
+      out[(width - 1) * kLanes + j] = kAdd ? even[pairs * kLanes + j] + addend[pairs * kLanes + j]
+                                           : even[pairs * kLanes + j];
 }
 
-template <bool kAdd>
+template <bool kAdd, int64_t kLanes>
 void interleave_planes(void* data, size_t task) {
   const InterleaveWork& w = *static_cast<const InterleaveWork*>(data);
+  const auto row = [&](int64_t phase, int64_t plane, int64_t u) {
+    return w.phases[phase] + (plane * w.rows[phase] + u) * w.cols[phase] * kLanes;
+  };
   for (int64_t plane = w.planes.first(task); plane < w.planes.last(task); ++plane) {
-    float* out = w.out + plane * w.height * w.width;
+    float* out = w.out + plane * w.height * w.width * kLanes;
     for (int64_t y = 0; y < w.height; ++y) {
       const int64_t parity = y % 2, u = y / 2;
-      const int64_t even = 2 * parity, odd = 2 * parity + 1;
-      const float* even_row = w.phases[even] + (plane * w.rows[even] + u) * w.cols[even];
-      const float* odd_row = w.phases[odd] + (plane * w.rows[odd] + u) * w.cols[odd];
+      const float* even_row = row(2 * parity, plane, u);
+      const float* odd_row = row(2 * parity + 1, plane, u);
       if (kAdd && parity == 0)
-        weave_row<true>(even_row, w.phases[4] + (plane * w.rows[4] + u) * w.cols[4], odd_row, out + y * w.width,
-                        w.width);
+        weave_row<true, kLanes>(even_row, row(4, plane, u), odd_row, out + y * w.width * kLanes, w.width);
       else
-        weave_row<false>(even_row, nullptr, odd_row, out + y * w.width, w.width);
+        weave_row<false, kLanes>(even_row, nullptr, odd_row, out + y * w.width * kLanes, w.width);
     }
   }
 }
 
+constexpr int64_t kInterleaveBlock = 16;
+
 template <bool kAdd>
 OrtStatus* interleave_compute(void* kernel, OrtKernelContext* context) {
   const char* op = kAdd ? "Interleave2x2Add" : "Interleave2x2";
-  const ImageSize& size = *static_cast<const ImageSize*>(kernel);
+  const InterleaveKernel& size = *static_cast<const InterleaveKernel*>(kernel);
   InterleaveWork work{};
   Tensor phases[5];
   for (size_t i = 0; i < (kAdd ? 5 : 4); ++i) {
@@ -134,22 +138,29 @@ OrtStatus* interleave_compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.out));
   work.height = size.height;
   work.width = size.width;
-  work.planes = Chunks::of(dims[0] * dims[1]);
+  if (size.block != 0 && (size.block != kInterleaveBlock || dims[1] % kInterleaveBlock != 0))
+    return api->error(kInvalidArgument, std::string(op) + ": block=" + std::to_string(size.block) +
+                                            " needs block 16 and C a multiple of 16; C is " + std::to_string(dims[1]));
+  const int64_t lanes = size.block != 0 ? kInterleaveBlock : 1;
+  work.planes = Chunks::of(dims[0] * dims[1] / lanes);
   if (work.planes.items == 0 || size.height == 0 || size.width == 0) return nullptr;
-  return parallel_for(context, interleave_planes<kAdd>, work.planes.tasks(), &work);
+  if (size.block != 0)
+    return parallel_for(context, interleave_planes<kAdd, kInterleaveBlock>, work.planes.tasks(), &work);
+  return parallel_for(context, interleave_planes<kAdd, 1>, work.planes.tasks(), &work);
 }
 
 OrtStatus* create_interleave(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
-  ImageSize size{};
+  InterleaveKernel size{};
   RETURN_IF_ERROR(read_int(info, "height", &size.height));
   RETURN_IF_ERROR(read_int(info, "width", &size.width));
+  read_int_or(info, "block", 0, &size.block);
   if (size.height < 0 || size.width < 0)
     return api->error(kInvalidArgument, "Interleave2x2: height and width must be >= 0");
-  *kernel = new ImageSize(size);
+  *kernel = new InterleaveKernel(size);
   return nullptr;
 }
 
-void destroy_interleave(void* kernel) { delete static_cast<ImageSize*>(kernel); }
+void destroy_interleave(void* kernel) { delete static_cast<InterleaveKernel*>(kernel); }
 
 struct Steps {
   int64_t rows, cols;
@@ -247,35 +258,6 @@ Tile tile_of(const BlockWork& w, int64_t tile) {
 }
 
 #if X86_VECTORS
-// r[i] becomes column i of the 16x16 matrix whose rows were r[0..15]: pairs of rows interleaved by floats, then
-// by float pairs (each 128-bit lane then holds a 4x4 square transposed), then the lanes gathered across registers.
-__attribute__((target("avx512f"))) inline void transpose_16x16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  __m512 u[16];
-  for (int g = 0; g < 4; ++g) {
-    const __m512d p0 = _mm512_castps_pd(t[4 * g]), p1 = _mm512_castps_pd(t[4 * g + 1]);
-    const __m512d p2 = _mm512_castps_pd(t[4 * g + 2]), p3 = _mm512_castps_pd(t[4 * g + 3]);
-    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(p0, p2));      // lane L: column 4L, rows 4g..4g+3
-    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p2));  // column 4L + 1
-    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(p1, p3));  // column 4L + 2
-    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(p1, p3));  // column 4L + 3
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512 low01 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44);
-    const __m512 high01 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
-    const __m512 low23 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
-    const __m512 high23 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
-    r[m] = _mm512_shuffle_f32x4(low01, low23, 0x88);
-    r[4 + m] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
-    r[8 + m] = _mm512_shuffle_f32x4(high01, high23, 0x88);
-    r[12 + m] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
-  }
-}
-
 __attribute__((target("avx512f"))) void block_tile_16(const Tile& tile, int64_t taps, bool flip) {
   __m512 r[16];
   if (!flip) {

@@ -47,7 +47,7 @@ _SOURCES = [
         "register_kernels.cpp",
     )
 ]
-_HEADER = _HERE / "ort_custom_ops.h"
+_HEADERS = (_HERE / "ort_custom_ops.h", _HERE / "x86_tiles.h")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
 """No contraction into fused multiply-adds, so that the batch norm's forward and gradient compute the same values;
 no floating-point traps assumed (none are enabled), so that the compiler vectorizes loops that select between
@@ -107,9 +107,9 @@ def _check(library: Path) -> None:
 
 
 def _source_digest() -> str:
-    """The first 12 hex digits of the SHA-256 of the kernels' sources, their header and the compiler flags."""
+    """The first 12 hex digits of the SHA-256 of the kernels' sources, their headers and the compiler flags."""
     digest = hashlib.sha256()
-    for path in [*_SOURCES, _HEADER]:
+    for path in [*_SOURCES, *_HEADERS]:
         digest.update(path.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     return digest.hexdigest()[:12]

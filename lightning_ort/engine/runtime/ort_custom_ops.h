@@ -80,6 +80,7 @@ enum ApiEntry : size_t {
   kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
   kKernelInfoGetAttributeArrayInt64 = 163,
   kGetBuildInfoString = 254,
@@ -237,6 +238,14 @@ inline OrtStatus* read_ints(const OrtKernelInfo* info, const char* name, std::ve
 inline OrtStatus* read_int(const OrtKernelInfo* info, const char* name, int64_t* value) {
   return api->at<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name,
                                                                                                            value);
+}
+
+// The int attribute `name` into value, or fallback where the node has no such attribute.
+inline void read_int_or(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* value) {
+  OrtStatus* status = read_int(info, name, value);
+  if (status == nullptr) return;
+  api->at<void (*)(OrtStatus*)>(kReleaseStatus)(status);
+  *value = fallback;
 }
 
 struct OpDefinition : OrtCustomOp {
