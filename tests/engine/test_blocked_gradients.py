@@ -82,6 +82,16 @@ def test_a_gradient_also_read_plain_or_returned_gets_one_reorder_back() -> None:
     assert _ops(model).count("ReorderInput") == 1, "only the first convolution's input reorder is left"
 
 
+def test_a_gradient_the_graph_declares_no_shape_for_takes_its_channels_from_x() -> None:
+    model = _backward_model([8, 32, 8, 8], ["conv", "plain"])
+    kept = [value for value in model.graph.value_info if value.name != "dx"]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+    assert keep_gradients_blocked(model, KERNEL_NCHWC_BLOCK) == 1
+    (back,) = [node for node in model.graph.node if node.op_type == "ReorderOutput"]
+    assert list(back.output) == ["dx"] and dict(_attribute_ints(back)) == {"channels": 32}
+
+
 def _attribute_ints(node: onnx.NodeProto) -> list[tuple[str, int]]:
     return [(attribute.name, attribute.i) for attribute in node.attribute]
 

@@ -1231,7 +1231,7 @@ def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:
         for node in nodes
         if _is_nchwc(node, "ReorderOutput")
         and not _attributes(node).get("channels_last", 0)
-        and _whole_blocks(values.get(node.output[0]), block)
+        and _block_channels(values.get(node.output[0]), block) is not None
     }
     taken = {name for node in nodes for name in node.output} | {value.name for value in graph.input}
     rewritten: list[onnx.NodeProto] = []
@@ -1239,23 +1239,26 @@ def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:
     switched = 0
     for node in nodes:
         layout = _blocked_layout(node, values, block)
-        if layout is None or not _switch_pays(node, layout, twins, readers, graph_outputs, block):
+        if layout is None or not _switch_pays(node, layout, twins, readers, graph_outputs):
             rewritten.append(node)
             continue
-        ins, outs = layout
-        for index in ins:
+        for index in layout.inputs:
             node.input[index] = twins[node.input[index]]
         if node.domain == DOMAIN:
             node.attribute.append(helper.make_attribute("block", block))
         rewritten.append(node)
-        for index in outs:
+        for index in layout.outputs:
             plain = node.output[index]
             blocked = _fresh_name(f"{plain}_nchwc", taken)
             node.output[index] = blocked
             twins[plain] = blocked
-            channels = values[plain].dims[1]
             reorder = helper.make_node(
-                "ReorderOutput", [blocked], [plain], f"{blocked}_reorder_output", domain=_NCHWC, channels=channels
+                "ReorderOutput",
+                [blocked],
+                [plain],
+                f"{blocked}_reorder_output",
+                domain=_NCHWC,
+                channels=layout.channels,
             )
             rewritten.append(reorder)
             reorders.append(reorder)
@@ -1281,64 +1284,69 @@ def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:
     return switched
 
 
-def _whole_blocks(value: _Value | None, block: int) -> bool:
-    """Whether ``value`` is a float32 ``[N, C, H, W]`` of static channels, ``C`` a multiple of ``block``: the same
-    shape plain and in NCHWc blocks."""
-    return (
-        value is not None
-        and value.elem_type == onnx.TensorProto.FLOAT
-        and len(value.dims) == 4
-        and isinstance(value.dims[1], int)
-        and value.dims[1] > 0
-        and value.dims[1] % block == 0
-    )
+def _block_channels(value: _Value | None, block: int) -> int | None:
+    """The channels ``C`` of ``value`` if it is a float32 ``[N, C, H, W]`` with ``C`` static and a multiple of
+    ``block`` (the same shape plain and in NCHWc blocks), else ``None``."""
+    if value is None or value.elem_type != onnx.TensorProto.FLOAT or len(value.dims) != 4:
+        return None
+    channels = value.dims[1]
+    return channels if isinstance(channels, int) and channels > 0 and channels % block == 0 else None
 
 
-def _blocked_layout(
-    node: onnx.NodeProto, values: dict[str, _Value], block: int
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The inputs and outputs of ``node`` that :func:`keep_gradients_blocked` could keep in NCHWc blocks, or
-    ``None`` where it cannot take that layout."""
+@dataclass(frozen=True)
+class _BlockedLayout:
+    """The inputs and outputs of a node that :func:`keep_gradients_blocked` can keep in NCHWc blocks, by
+    position, and their channel count."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    channels: int
+
+
+def _blocked_layout(node: onnx.NodeProto, values: dict[str, _Value], block: int) -> _BlockedLayout | None:
+    """Which of ``node``'s values :func:`keep_gradients_blocked` could keep in NCHWc blocks, or ``None`` where
+    it cannot take that layout."""
     if node.domain == DOMAIN and node.op_type in _BLOCKED_GRADIENTS:
         x, grad = values.get(node.input[1]), values.get(node.input[0])
-        if not _whole_blocks(x, block) or grad is None or x is None or x.static_shape is None:
+        if x is None or grad is None or x.static_shape is None or _block_channels(x, block) is None:
             return None
         per_plane = list(grad.dims) == [*x.dims[:2], 1, 1]
         if not per_plane and grad.dims != x.dims:
             return None
-        batch, _, height, width = x.static_shape
+        batch, channels, height, width = x.static_shape
         planes = len(node.input) - 4 - int(per_plane)  # dY, X and Y: the arrays both passes read
         if batch * height * width * block * 4 * planes > _BLOCKED_GRADIENT_CACHE_BYTES:
             return None
-        return (() if per_plane else (0,)), _BLOCKED_GRADIENTS[node.op_type]
+        return _BlockedLayout(() if per_plane else (0,), _BLOCKED_GRADIENTS[node.op_type], channels)
+    output = values.get(node.output[0])
+    out_channels = _block_channels(output, block)
+    if output is None or out_channels is None:
+        return None
     if node.domain == DOMAIN and node.op_type in _BLOCKED_WEAVES:
-        if not all(_whole_blocks(values.get(name), block) for name in [*node.input, node.output[0]]):
+        if any(_block_channels(values.get(name), block) is None for name in node.input):
             return None
-        return tuple(range(len(node.input))), (0,)
+        return _BlockedLayout(tuple(range(len(node.input))), (0,), out_channels)
     if node.op_type == "Add" and _in_default_domain(node) and len(node.input) == 2:
-        shapes = {values[name].dims if name in values else None for name in [*node.input, node.output[0]]}
-        if len(shapes) != 1 or not _whole_blocks(values.get(node.output[0]), block):
+        if any(name not in values or values[name].dims != output.dims for name in node.input):
             return None
-        return (0, 1), (0,)
+        return _BlockedLayout((0, 1), (0,), out_channels)
     return None
 
 
 def _switch_pays(
     node: onnx.NodeProto,
-    layout: tuple[tuple[int, ...], tuple[int, ...]],
+    layout: _BlockedLayout,
     twins: dict[str, str],
     readers: dict[str, list[onnx.NodeProto]],
     graph_outputs: set[str],
-    block: int,
 ) -> bool:
     """Whether ``node`` should read and write NCHWc blocks: each of its layout inputs has a blocked copy, and
     the reorders it drops (its inputs' ``ReorderOutput``, its outputs' ``ReorderInput``) outnumber those it adds
     (a ``ReorderOutput`` for each output read plain, but by nodes that may take blocks themselves)."""
-    ins, outs = layout
-    if any(node.input[index] not in twins for index in ins):
+    if any(node.input[index] not in twins for index in layout.inputs):
         return False
-    dropped, added = len(ins), 0
-    for index in outs:
+    dropped, added = len(layout.inputs), 0
+    for index in layout.outputs:
         name = node.output[index]
         kinds = [_reader_kind(reader, name) for reader in readers.get(name, [])]
         dropped += kinds.count("reorder")
