@@ -1229,9 +1229,7 @@ def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:
     twins = {
         node.output[0]: node.input[0]
         for node in nodes
-        if _is_nchwc(node, "ReorderOutput")
-        and not _attributes(node).get("channels_last", 0)
-        and _block_channels(values.get(node.output[0]), block) is not None
+        if _is_blocked_reorder(node, "ReorderOutput") and _block_channels(values.get(node.output[0]), block) is not None
     }
     taken = {name for node in nodes for name in node.output} | {value.name for value in graph.input}
     rewritten: list[onnx.NodeProto] = []
@@ -1270,12 +1268,7 @@ def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:
     for node in rewritten:
         for index, name in enumerate(node.input):
             node.input[index] = renamed.get(name, name)
-        if (
-            _is_nchwc(node, "ReorderInput")
-            and node.input[0] in twins
-            and not _attributes(node).get("channels_last", 0)
-            and node.output[0] not in graph_outputs
-        ):
+        if _is_blocked_reorder(node, "ReorderInput") and node.input[0] in twins and node.output[0] not in graph_outputs:
             renamed[node.output[0]] = twins[node.input[0]]
             continue
         kept.append(node)
@@ -1358,7 +1351,7 @@ def _switch_pays(
 def _reader_kind(reader: onnx.NodeProto, name: str) -> str:
     """How ``reader`` reads ``name`` for :func:`_switch_pays`: through a ``ReorderInput`` (``"reorder"``), as a
     node that may take NCHWc blocks (``"blocks"``), or plain."""
-    if _is_nchwc(reader, "ReorderInput") and not _attributes(reader).get("channels_last", 0):
+    if _is_blocked_reorder(reader, "ReorderInput"):
         return "reorder"
     if reader.domain == DOMAIN and reader.op_type in _BLOCKED_GRADIENTS:
         return "blocks" if reader.input[0] == name else "plain"
@@ -1367,6 +1360,11 @@ def _reader_kind(reader: onnx.NodeProto, name: str) -> str:
     ):
         return "blocks"
     return "plain"
+
+
+def _is_blocked_reorder(node: onnx.NodeProto, op_type: str) -> bool:
+    """Whether ``node`` is an NCHWc ``op_type`` reorder between NCHW and NCHWc, not its channels-last form."""
+    return _is_nchwc(node, op_type) and not _attributes(node).get("channels_last", 0)
 
 
 def _fresh_name(name: str, taken: set[str]) -> str:

@@ -455,7 +455,6 @@ struct BackwardWork {
   int clamp;
   Bounds bounds;
   bool grad_per_plane;  // dY is [N, C, 1, ...]
-  bool blocked;         // dY (unless per plane), dX and dZ in 16-channel NCHWc blocks
 };
 
 // dY at image n, channels [first, last) of a block: dY itself, or, for a dY of one value per plane, each
@@ -647,12 +646,6 @@ __attribute__((target("avx512f"))) inline __m512 masked16(__m512 g, __m512 x, __
   return _mm512_maskz_mov_ps(inside, g);
 }
 
-// The block's dY vector at a position of image n (its block starting at offset), or its one value per plane.
-__attribute__((target("avx512f"))) inline __m512 grad_at(const BackwardWork& w, int64_t offset, __m512 per_plane,
-                                                         int64_t position) {
-  return w.grad_per_plane ? per_plane : _mm512_loadu_ps(w.grad + offset + position * kChannelBlock);
-}
-
 __attribute__((target("avx512f"))) inline void add_to(double* sums, __m512 v) {
   const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
   const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -660,8 +653,7 @@ __attribute__((target("avx512f"))) inline void add_to(double* sums, __m512 v) {
   _mm512_storeu_pd(sums + 8, _mm512_add_pd(_mm512_loadu_pd(sums + 8), high));
 }
 
-// Image n's block, from first, in tiles of up to 16 positions: X's (and Y's) planes transposed into x (and y),
-// so that x[q] holds the 16 channels at the tile's position q, as dY does.
+// Where image n's block starts, and its dY when that is one value per plane.
 struct Tiles {
   int64_t offset;  // the block's start in image n, in either layout
   __m512 per_plane;
@@ -673,7 +665,8 @@ __attribute__((target("avx512f"))) inline Tiles tiles_of(const BackwardWork& w, 
   return {(n * l.channels + first) * l.spatial, per_plane};
 }
 
-// Loads the tile of up to 16 positions from p of X (and Y) into x (and y); returns its positions.
+// Loads the tile of up to 16 positions from p of X (and Y) into x (and y), transposed so that x[q] holds the 16
+// channels at the tile's position q, as dY's vector does; returns its positions.
 template <bool kResidual>
 __attribute__((target("avx512f"))) inline int64_t load_tile(const BackwardWork& w, const Tiles& t, int64_t p,
                                                             __m512 x[16], __m512 y[16]) {
@@ -683,11 +676,12 @@ __attribute__((target("avx512f"))) inline int64_t load_tile(const BackwardWork& 
   return count;
 }
 
-// The block's dY at a position, kept by the clamp of its x (or y) there.
+// The block's dY at a position (or its one value per plane), kept by the clamp of its x (or y) there.
 template <int kClamp, bool kResidual>
 __attribute__((target("avx512f"))) inline __m512 tile_grad(const BackwardWork& w, const Tiles& t, int64_t position,
                                                            __m512 x, __m512 y, const ChannelVectors& v) {
-  return masked16<kClamp, kResidual>(grad_at(w, t.offset, t.per_plane, position), x, kResidual ? y : x, v);
+  const __m512 g = w.grad_per_plane ? t.per_plane : _mm512_loadu_ps(w.grad + t.offset + position * kChannelBlock);
+  return masked16<kClamp, kResidual>(g, x, y, v);
 }
 
 template <int kClamp, bool kResidual>
@@ -811,7 +805,6 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
   work.blocks = blocks_of(layout, kGradPlanes);
   work.clamp = k.clamp;
   work.bounds = k.bounds;
-  work.blocked = k.block != 0;
   const int64_t channels[1] = {layout.channels};
   RETURN_IF_ERROR(make_output(context, 0, x.dims, x.rank, &work.grad_x));
   RETURN_IF_ERROR(make_output(context, 1, channels, 1, &work.grad_scale));
@@ -822,7 +815,7 @@ OrtStatus* backward_compute(void* kernel, OrtKernelContext* context) {
     return nullptr;
   }
 #if X86_VECTORS
-  if (work.blocked)
+  if (k.block != 0)
     return parallel_for(context, blocked_backward_block, static_cast<size_t>(layout.channels / kChannelBlock),
                         &work);
 #endif

@@ -70,7 +70,7 @@ struct InterleaveWork {
   int64_t rows[5], cols[5];
   float* out;
   int64_t height, width;
-  Chunks planes;  // planes of single channels, or of kLanes-channel blocks
+  Chunks planes;  // planes of one channel each, or of one NCHWc block of channels
 };
 
 // One output row from the two phases of its parity: even columns from `even` (plus `addend`'s with kAdd; it is
