@@ -42,9 +42,9 @@ from lightning_ort.engine.fx.decompositions import (
     selection_matrix,
     weight_grad_in_torch,
 )
-from lightning_ort.engine.fx.nchwc import KERNEL_NCHWC_BLOCK
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.onnx.passes import (
+    KERNEL_NCHWC_BLOCK,
     drop_unused_initializers,
     nchwc_block_size,
     use_nchwc_convolutions,

@@ -27,13 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort import DebugOptions, ORTConfig, ORTModule, ORTSingleDeviceStrategy
 from lightning_ort.engine.capture.backend import backend_options
-from lightning_ort.engine.fx.conv_weight_grad import (
-    CONV3X3_WEIGHT_GRAD,
-    read_inputs_blocked,
-    weight_grad_kernel_applies,
-)
+from lightning_ort.engine.fx.conv_weight_grad import weight_grad_kernel_applies
 from lightning_ort.engine.fx.decompositions import capture_decompositions, weight_grad_in_torch
-from lightning_ort.engine.fx.nchwc import TO_NCHWC
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
 from lightning_ort.engine.onnx.passes import KERNEL_NCHWC_BLOCK, nchwc_block_size, use_nchwc_convolutions
 from tests.helpers import assert_fp64_accuracy, assert_grads_close, kernel_session
@@ -263,11 +258,6 @@ def test_the_kernel_matches_pytorchs_weight_gradient_in_float64(
     gy = torch.randn(images, outputs, out_size, out_size, generator=g)
     node = helper.make_node("ConvWeightGrad3x3", ["X", "dY"], ["dW"], domain=DOMAIN, stride=stride)
     (actual,) = kernel_session(node, {"X": None, "dY": None}).run(None, {"X": x.numpy(), "dY": _blocked(gy)})
-    if channels % 16 == 0:
-        node = helper.make_node("ConvWeightGrad3x3", ["X", "dY"], ["dW"], domain=DOMAIN, stride=stride, x_block=16)
-        session = kernel_session(node, {"X": None, "dY": None})
-        (from_blocks,) = session.run(None, {"X": _blocked(x), "dY": _blocked(gy)})
-        np.testing.assert_array_equal(from_blocks, actual)  # the same sums in the same order
     weight = torch.empty(outputs, channels, 3, 3, dtype=torch.float64)
     args = (None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])
     expected = aten.convolution_backward(gy.double(), x.double(), weight, *args)[1]
@@ -286,13 +276,6 @@ def test_the_kernel_refuses_tensors_it_cannot_read() -> None:
     x, gy = np.zeros((1, 16, 4, 4), np.float32), np.zeros((1, 32, 3, 3), np.float32)  # not stride 1's size
     with pytest.raises(Exception, match="O of 32"):
         session.run(None, {"X": x, "dY": gy})
-    node = helper.make_node("ConvWeightGrad3x3", ["X", "dY"], ["dW"], domain=DOMAIN, stride=1, x_block=16)
-    x, gy = np.zeros((1, 24, 4, 4), np.float32), np.zeros((1, 32, 4, 4), np.float32)  # 24 channels: a part block
-    with pytest.raises(Exception, match="of 16 with x_block = 16"):
-        kernel_session(node, {"X": None, "dY": None}).run(None, {"X": x, "dY": gy})
-    node = helper.make_node("ConvWeightGrad3x3", ["X", "dY"], ["dW"], domain=DOMAIN, stride=1, x_block=8)
-    with pytest.raises(Exception, match="x_block must be 0"):
-        kernel_session(node, {"X": None, "dY": None})
 
 
 @pytest.mark.parametrize(
@@ -352,10 +335,6 @@ class _Blocks(nn.Module):
         return self.body(self.stem(x)).mean((2, 3))
 
 
-def attributes(node: onnx.NodeProto) -> dict[str, int]:
-    return {attribute.name: attribute.i for attribute in node.attribute}
-
-
 @pytest.mark.skipif(not KERNEL, reason="the 3x3 weight-gradient kernel runs on AVX-512 CPUs")
 def test_a_conv_net_has_eagers_float64_accuracy_with_the_kernel_in_its_backward_graph(tmp_path: Path) -> None:
     torch.manual_seed(0)
@@ -369,13 +348,6 @@ def test_a_conv_net_has_eagers_float64_accuracy_with_the_kernel_in_its_backward_
     assert sorted(a.i for n in kernels for a in n.attribute if a.name == "stride") == [1, 2]
     readers = {name: [n.op_type for n in backward.node if name in n.input] for n in kernels for name in n.input[1:]}
     assert all(set(ops) == {"Conv", "ConvWeightGrad3x3"} for ops in readers.values()), "one blocked copy of dY"
-    layouts = sorted((attributes(n)["stride"], attributes(n).get("x_block", 0)) for n in kernels)
-    assert layouts == [(1, 16), (2, 0)], "the stride-1 kernel reads its 8x8 input in blocks, the stride-2 one not"
-    forward = onnx.load(str(tmp_path / "m_training_forward_optimized.onnx")).graph
-    reorders = [n for n in forward.node if n.op_type == "ReorderInput"]
-    saved = {output.name for output in forward.output}
-    assert len(reorders) == 2, "one blocked copy of each convolution's input, the saved one among them"
-    assert sum(n.output[0] in saved for n in reorders) == 1, "the stride-1 layer's input is saved blocked"
     with torch.profiler.profile() as profile:
         wrapped(x).sum().backward()
     ran = [event.name for event in profile.events()]
@@ -400,60 +372,3 @@ def test_where_onnx_runtime_blocks_other_channel_counts_pytorchs_kernel_keeps_th
     with torch.profiler.profile() as profile:
         wrapped(x).sum().backward()
     assert [event.name for event in profile.events()].count("aten::convolution_backward") == 3
-
-
-def _joint_with_weight_grad(
-    shape: tuple[int, ...], stride: int, also_read_in_backward: bool = False
-) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
-    """A joint graph whose weight-gradient kernel reads a forward value of ``shape`` (a ReLU of an input)."""
-    graph = torch.fx.Graph()
-    primal, tangent = graph.placeholder("primals_1"), graph.placeholder("tangents_1")
-    x = graph.call_function(aten.relu.default, (primal,))
-    dw = graph.call_function(CONV3X3_WEIGHT_GRAD, (x, tangent, stride))
-    outputs = [x, dw]
-    if also_read_in_backward:
-        outputs.append(graph.call_function(aten.threshold_backward.default, (tangent, x, 0.0)))
-    graph.output(outputs)
-    primal.meta["val"] = x.meta["val"] = torch.empty(shape)
-    return torch.fx.GraphModule(nn.Module(), graph), dw
-
-
-@pytest.mark.parametrize(
-    ("shape", "stride", "also_read_in_backward", "expected"),
-    [
-        ((4, 32, 16, 16), 1, False, True),
-        ((4, 16, 8, 8), 1, False, True),
-        ((4, 32, 32, 32), 1, False, False),  # 32x32: level with the plain input
-        ((4, 32, 16, 16), 2, False, False),  # stride 2: each position's channels in their own cache line
-        ((4, 24, 16, 16), 1, False, False),  # a part block
-        ((4, 32, 16, 16), 1, True, False),  # the backward reads the plain input too: it would be saved twice
-    ],
-)
-def test_small_stride_1_kernels_read_their_input_in_blocks_the_forward_saves(
-    shape: tuple[int, ...], stride: int, also_read_in_backward: bool, expected: bool
-) -> None:
-    gm, dw = _joint_with_weight_grad(shape, stride, also_read_in_backward)
-    assert read_inputs_blocked(gm) == expected
-    input = dw.args[0]
-    assert isinstance(input, torch.fx.Node)
-    if expected:
-        assert input.target == TO_NCHWC and input.args[1] == 16 and dw.args[3] == 16
-        gm.graph.lint()
-        x = torch.randn(shape)
-        gy = torch.randn(shape[0], shape[1], shape[2] // stride, shape[3] // stride)
-        reference = aten.convolution_backward(
-            gy,
-            x.relu(),
-            torch.empty(shape[1], shape[1], 3, 3),
-            None,
-            [stride] * 2,
-            [1, 1],
-            [1, 1],
-            False,
-            [0, 0],
-            1,
-            [False, True, False],
-        )[1]
-        torch.testing.assert_close(gm(x, gy)[1], reference)
-    else:
-        assert input.target == aten.relu.default and len(dw.args) == 3

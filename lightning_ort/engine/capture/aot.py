@@ -48,11 +48,10 @@ from lightning_ort.engine.fx.group_norm import group_norms
 from lightning_ort.engine.fx.layer_norm import layer_norms
 from lightning_ort.engine.fx.layout import GRADIENT_STRIDES, GradientStrides, gradient_strides
 from lightning_ort.engine.fx.max_pool import replace_max_pools, replaceable_max_pools
-from lightning_ort.engine.fx.nchwc import KERNEL_NCHWC_BLOCK
 from lightning_ort.engine.fx.passes import move_saved_permutes, optimize_joint_graph
 from lightning_ort.engine.fx.replacements import substitute_functions
 from lightning_ort.engine.fx.silu import silus
-from lightning_ort.engine.onnx.passes import nchwc_block_size
+from lightning_ort.engine.onnx.passes import KERNEL_NCHWC_BLOCK, nchwc_block_size
 from lightning_ort.engine.runtime.cpu_kernels import kernel_library
 from lightning_ort.engine.torch_internals import (
     AOT_GRAPH_COMPILE_LOG,

@@ -19,19 +19,14 @@ import torch
 import torch.fx
 from torch.nn import functional as F
 
-from lightning_ort.engine.fx.nchwc import KERNEL_NCHWC_BLOCK, TO_NCHWC, from_nchwc, to_nchwc_op
-
 aten = torch.ops.aten
 
 
 @torch.library.custom_op("lightning_ort::conv3x3_weight_grad", mutates_args=())
-def conv3x3_weight_grad_op(
-    input: torch.Tensor, grad_output: torch.Tensor, stride: int, input_block: int = 0
-) -> torch.Tensor:
+def conv3x3_weight_grad_op(input: torch.Tensor, grad_output: torch.Tensor, stride: int) -> torch.Tensor:
     """The weight gradient ``[O, C, 3, 3]`` of a 3x3 convolution with padding 1 and ``stride`` (both dims) of
-    ``input`` (``[N, C, H, W]``; in NCHWc blocks of ``input_block`` channels, :func:`~lightning_ort.engine.fx.nchwc.
-    to_nchwc_op`, where that is not 0), whose output's gradient is ``grad_output`` (``[N, O, H', W']``). ONNX
-    Runtime runs it as ``ai.lightning_ort::ConvWeightGrad3x3``.
+    ``input`` (``[N, C, H, W]``), whose output's gradient is ``grad_output`` (``[N, O, H', W']``). ONNX Runtime
+    runs it as ``ai.lightning_ort::ConvWeightGrad3x3``.
 
     Example:
         >>> x, w = torch.randn(2, 16, 5, 5), torch.randn(32, 16, 3, 3)
@@ -40,11 +35,7 @@ def conv3x3_weight_grad_op(
         ...                                 [False, True, False])[1]
         >>> torch.allclose(conv3x3_weight_grad_op(x, gy, 2), ref)
         True
-        >>> torch.equal(conv3x3_weight_grad_op(to_nchwc_op(x, 16), gy, 2, 16), conv3x3_weight_grad_op(x, gy, 2))
-        True
     """
-    if input_block:
-        input = from_nchwc(input, input_block)
     weight = input.new_empty(grad_output.shape[1], input.shape[1], 3, 3)
     only_weight = [False, True, False]
     return aten.convolution_backward(
@@ -53,9 +44,7 @@ def conv3x3_weight_grad_op(
 
 
 @conv3x3_weight_grad_op.register_fake
-def _conv3x3_weight_grad_fake(
-    input: torch.Tensor, grad_output: torch.Tensor, stride: int, input_block: int = 0
-) -> torch.Tensor:
+def _conv3x3_weight_grad_fake(input: torch.Tensor, grad_output: torch.Tensor, stride: int) -> torch.Tensor:
     return input.new_empty(grad_output.shape[1], input.shape[1], 3, 3)
 
 
@@ -98,78 +87,6 @@ def weight_grad_kernel_applies(
     if input.shape[1] % 8 or weight.shape[0] % 32:
         return False
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-BLOCKED_INPUT_POSITIONS = 256
-"""Largest image (16x16) on which a stride-1 layer's weight-gradient kernel reads its input in NCHWc blocks
-(:func:`read_inputs_blocked`): eight input channels are then eight neighbouring floats instead of eight planes. On
-32x32 images the two are level, and at stride 2 the blocked input is slower (each position's channels then lie in
-their own cache line); see the performance page."""
-
-
-def read_inputs_blocked(joint: torch.fx.GraphModule) -> int:
-    """Give the weight-gradient kernels of AOTAutograd's joint graph ``joint`` their input in NCHWc blocks where
-    that is faster and costs no pass over it; in place. Returns the number of kernels rewritten.
-
-    A kernel with stride 1 whose input (a forward value, C a multiple of :data:`~lightning_ort.engine.fx.nchwc.
-    KERNEL_NCHWC_BLOCK`) has at most :data:`BLOCKED_INPUT_POSITIONS` positions per channel reads
-    ``to_nchwc(input)`` instead, where nothing else in the backward reads the input: the forward then saves the
-    blocked copy in its place, which the forward's NCHWc convolution of that input makes anyway (the two
-    ``ReorderInput`` nodes become one, :func:`~lightning_ort.engine.onnx.passes.use_nchwc_convolutions`). Where the
-    backward reads the input too, the forward would save both copies, so the kernel reads it as it is.
-
-    Example:
-        >>> graph = torch.fx.Graph()
-        >>> x, gy = graph.placeholder("primals_1"), graph.placeholder("tangents_1")
-        >>> dw = graph.call_function(CONV3X3_WEIGHT_GRAD, (x, gy, 1))
-        >>> _ = graph.output([dw])
-        >>> x.meta["val"] = torch.empty(8, 32, 16, 16)
-        >>> gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        >>> read_inputs_blocked(gm), dw.args[0].target == TO_NCHWC, dw.args[3]
-        (1, True, 16)
-    """
-    backward = _backward_nodes(joint.graph)
-    rewritten = 0
-    for node in list(joint.graph.nodes):
-        if node.op != "call_function" or node.target != CONV3X3_WEIGHT_GRAD or not _reads_blocks_faster(node):
-            continue
-        input = node.args[0]
-        if not isinstance(input, torch.fx.Node) or input in backward:
-            continue
-        if any(user is not node and user.op != "output" and user in backward for user in input.users):
-            continue
-        with joint.graph.inserting_after(input):
-            blocked = joint.graph.call_function(TO_NCHWC, (input, KERNEL_NCHWC_BLOCK))
-        blocked.meta["val"] = to_nchwc_op(input.meta["val"], KERNEL_NCHWC_BLOCK)
-        node.args = (blocked, node.args[1], node.args[2], KERNEL_NCHWC_BLOCK)
-        rewritten += 1
-    if rewritten:
-        joint.recompile()
-    return rewritten
-
-
-def _reads_blocks_faster(node: torch.fx.Node) -> bool:
-    """Whether weight-gradient kernel ``node`` (stride 1, input not yet blocked) gains from a blocked input."""
-    input, _, stride = node.args[:3]
-    value = input.meta.get("val") if isinstance(input, torch.fx.Node) else None
-    if stride != 1 or len(node.args) > 3 or not isinstance(value, torch.Tensor) or value.dim() != 4:
-        return False
-    channels, height, width = value.shape[1:]
-    if not all(isinstance(size, int) for size in (channels, height, width)):
-        return False
-    return channels % KERNEL_NCHWC_BLOCK == 0 and height * width <= BLOCKED_INPUT_POSITIONS
-
-
-def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The nodes of a joint graph that depend on a tangent (AOTAutograd's ``tangents_*`` placeholders)."""
-    backward: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            if node.name.startswith("tangents"):
-                backward.add(node)
-        elif any(input in backward for input in node.all_input_nodes):
-            backward.add(node)
-    return backward
 
 
 def kernel_weight_grads(gm: torch.fx.GraphModule) -> int:

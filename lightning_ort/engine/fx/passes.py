@@ -17,9 +17,6 @@ each rewrite sees a gradient together with the forward op it belongs to.
   ``as_strided`` view, whose gradient is an ``as_strided_scatter`` into zeros; where the strides are row-major
   for the sizes, the view is a reshape and the scatter its source reshaped (ONNX has no translation for the
   scatter, which would otherwise run in PyTorch between two ONNX Runtime partitions).
-* :func:`~lightning_ort.engine.fx.conv_weight_grad.read_inputs_blocked`: the 3x3 weight-gradient kernel of a
-  stride-1 layer on a small image reads its input in NCHWc blocks, which the forward saves in place of the plain
-  input (its convolution blocks that input anyway).
 
 :func:`move_saved_permutes` runs after partitioning, on the forward and backward graphs together.
 """
@@ -34,7 +31,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from lightning_ort.engine.fx.conv_weight_grad import read_inputs_blocked
 from lightning_ort.engine.fx.layout import row_major
 from lightning_ort.engine.torch_internals import detect_fake_mode
 from lightning_ort.logs import get_logger
@@ -50,16 +46,14 @@ def optimize_joint_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     joined = join_slice_gradients(gm)
     cancelled = cancel_permutes(gm)
     reshaped = reshape_dense_strides(gm)
-    blocked = read_inputs_blocked(gm)
-    if stacked or joined or cancelled or reshaped or blocked:
+    if stacked or joined or cancelled or reshaped:
         log.debug(
             "stacked %d sums of select_backward, joined or padded %d slice_backward, cancelled %d permutations, "
-            "made %d strided views reshapes, gave %d weight-gradient kernels a blocked input",
+            "made %d strided views reshapes",
             stacked,
             joined,
             cancelled,
             reshaped,
-            blocked,
         )
         gm.recompile()
     return gm

@@ -2,14 +2,13 @@
 
 The ops of :mod:`lightning_ort.engine.fx.batch_norm`, the max-pooling gradient of
 :mod:`lightning_ort.engine.fx.max_pool`, the phase weaving of :mod:`lightning_ort.engine.fx.conv_phases`, the 3x3
-weight gradient of :mod:`lightning_ort.engine.fx.conv_weight_grad`, GELU's and SiLU's gradients
-(:mod:`lightning_ort.engine.fx.gelu`, :mod:`lightning_ort.engine.fx.silu`), layer norm's
-(:mod:`lightning_ort.engine.fx.layer_norm`) and group norm (:mod:`lightning_ort.engine.fx.group_norm`) become nodes
-of the ``ai.lightning_ort`` domain, which ONNX Runtime runs with the kernels of
-:mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a standard ``MaxPool``, and the
-blocking of :mod:`lightning_ort.engine.fx.nchwc` ONNX Runtime's NCHWc ``ReorderInput``. The exporter's
-translations are onnxscript functions; each node here is an onnxscript op with its own schema, which is not
-registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
+weight gradient of :mod:`lightning_ort.engine.fx.conv_weight_grad`,
+GELU's and SiLU's gradients (:mod:`lightning_ort.engine.fx.gelu`, :mod:`lightning_ort.engine.fx.silu`), layer
+norm's (:mod:`lightning_ort.engine.fx.layer_norm`) and group norm (:mod:`lightning_ort.engine.fx.group_norm`) become
+nodes of the ``ai.lightning_ort`` domain, which ONNX
+Runtime runs with the kernels of :mod:`lightning_ort.engine.runtime.cpu_kernels`; the values-only max pooling is a
+standard ``MaxPool``. The exporter's translations are onnxscript functions; each node here is an onnxscript op
+with its own schema, which is not registered in ONNX's schema registry (the process's ONNX keeps no trace of it).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from lightning_ort.engine.fx.gelu import APPROXIMATIONS, GELU_BACKWARD
 from lightning_ort.engine.fx.group_norm import GROUP_NORM, GROUP_NORM_BACKWARD
 from lightning_ort.engine.fx.layer_norm import LAYER_NORM_BACKWARD
 from lightning_ort.engine.fx.max_pool import MAX_POOL2D, MAX_POOL2D_BACKWARD
-from lightning_ort.engine.fx.nchwc import TO_NCHWC
 from lightning_ort.engine.fx.silu import SILU_BACKWARD
 
 DOMAIN = "ai.lightning_ort"
@@ -187,40 +185,14 @@ def interleave_2x2(even_even: Any, even_odd: Any, odd_even: Any, odd_odd: Any, h
     return _INTERLEAVE_2X2(even_even, even_odd, odd_even, odd_odd, height=height, width=width)
 
 
-_CONV_WEIGHT_GRAD_3X3 = _op("ConvWeightGrad3x3", ["X", "dY"], ["dW"], {"stride": INT, "x_block": INT})
+_CONV_WEIGHT_GRAD_3X3 = _op("ConvWeightGrad3x3", ["X", "dY"], ["dW"], {"stride": INT})
 
 
-def conv3x3_weight_grad(input: Any, grad_output: Any, stride: int, input_block: int = 0) -> Any:
+def conv3x3_weight_grad(input: Any, grad_output: Any, stride: int) -> Any:
     """:data:`~lightning_ort.engine.fx.conv_weight_grad.CONV3X3_WEIGHT_GRAD` as one ``ConvWeightGrad3x3`` node, on
     ``input`` and ``grad_output`` as they are: the CPU graph's NCHWc pass
     (:func:`~lightning_ort.engine.onnx.passes.use_nchwc_convolutions`) gives it ``grad_output``'s blocked copy."""
-    if input_block:
-        return _CONV_WEIGHT_GRAD_3X3(input, grad_output, stride=stride, x_block=input_block)
     return _CONV_WEIGHT_GRAD_3X3(input, grad_output, stride=stride)
-
-
-NCHWC_DOMAIN = "com.microsoft.nchwc"
-"""The ONNX domain of ONNX Runtime's NCHWc ops."""
-
-_REORDER_INPUT = onnxscript.values.Op(
-    onnxscript.values.Opset(NCHWC_DOMAIN, 1),
-    "ReorderInput",
-    OpSchema(
-        "ReorderInput",
-        NCHWC_DOMAIN,
-        1,
-        inputs=[OpSchema.FormalParameter("X", "T")],
-        outputs=[OpSchema.FormalParameter("Y", "T")],
-        type_constraints=[("T", ["tensor(float)"], "float32 only")],
-    ),
-)
-
-
-def to_nchwc(input: Any, block: int) -> Any:
-    """:data:`~lightning_ort.engine.fx.nchwc.TO_NCHWC` as ONNX Runtime's ``ReorderInput``, which blocks channels
-    as its NCHWc convolutions do on this CPU: capture records the op only for ``block`` =
-    :data:`~lightning_ort.engine.fx.nchwc.KERNEL_NCHWC_BLOCK`, where that is ONNX Runtime's block."""
-    return _REORDER_INPUT(input)
 
 
 _GELU_GRAD = _op("GeluGrad", ["dY", "X"], ["dX"], {"approximate": INT})
@@ -272,7 +244,6 @@ CUSTOM_TRANSLATIONS: dict[Any, Callable[..., Any]] = {
     MAX_POOL2D_BACKWARD: max_pool2d_backward,
     INTERLEAVE_2X2: interleave_2x2,
     CONV3X3_WEIGHT_GRAD: conv3x3_weight_grad,
-    TO_NCHWC: to_nchwc,
     GELU_BACKWARD: gelu_backward,
     SILU_BACKWARD: silu_backward,
     LAYER_NORM_BACKWARD: layer_norm_backward,

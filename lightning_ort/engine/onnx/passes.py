@@ -68,7 +68,6 @@ import onnxscript.optimizer
 from onnx import helper, numpy_helper
 from onnx_ir.passes import common as common_passes
 
-from lightning_ort.engine.fx.nchwc import KERNEL_NCHWC_BLOCK
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.custom_ops import DOMAIN, uses_kernels
 from lightning_ort.logs import get_logger
@@ -592,6 +591,10 @@ def subsample_images(model: onnx.ModelProto) -> int:
 KERNEL_MAX_RANK = 8
 """The highest rank a tensor read by lightning_ort's kernels may have (``Tensor`` in ``ort_custom_ops.h``)."""
 
+KERNEL_NCHWC_BLOCK = 16
+"""The NCHWc channel block in which lightning_ort's 3x3 weight-gradient kernel reads the output gradient (ONNX
+Runtime's on AVX-512)."""
+
 
 def transpose_in_kernel(model: onnx.ModelProto) -> int:
     """A float32 ``Transpose`` of static shape, of rank at most :data:`KERNEL_MAX_RANK`, becomes lightning_ort's
@@ -1046,8 +1049,7 @@ def use_nchwc_convolutions(model: onnx.ModelProto, block: int, kernels: bool = F
         nodes += _blocked_conv(node, f"{prefix}_weight", prefix, weight_shape)
         rewritten += 1
     if rewritten:
-        graph_outputs = frozenset(output.name for output in model.graph.output)
-        _set_nodes(model.graph, _shared_reorders(_without_unread(nodes, replaced, model.graph), graph_outputs))
+        _set_nodes(model.graph, _shared_reorders(_without_unread(nodes, replaced, model.graph)))
         model.graph.initializer.extend(initializers)
         if not any(opset.domain == _NCHWC for opset in model.opset_import):
             model.opset_import.append(helper.make_opsetid(_NCHWC, 1))
@@ -1644,43 +1646,30 @@ def _blocked_weight_grad(node: onnx.NodeProto, block: int) -> list[onnx.NodeProt
     return [helper.make_node("ReorderInput", [grad_output], [blocked], blocked, domain=_NCHWC), node]
 
 
-def _shared_reorders(nodes: list[onnx.NodeProto], outputs: frozenset[str] = frozenset()) -> list[onnx.NodeProto]:
+def _shared_reorders(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` with one ``ReorderInput`` per tensor: convolutions that read the same input (a strided block's
-    3x3 convolution and its 1x1 projection) share its blocked copy instead of each reordering it. Where one of the
-    copies is a graph output (in ``outputs``: a blocked value the forward saves), the shared copy takes its name.
+    3x3 convolution and its 1x1 projection) share its blocked copy instead of each reordering it.
 
     Example:
         >>> reorder = [helper.make_node("ReorderInput", ["x"], [f"b{i}"], domain=_NCHWC) for i in range(2)]
         >>> convs = [helper.make_node("Conv", [f"b{i}", "w"], [f"y{i}"], domain=_NCHWC) for i in range(2)]
         >>> [list(node.input) for node in _shared_reorders([reorder[0], convs[0], reorder[1], convs[1]])]
         [['x'], ['b0', 'w'], ['b0', 'w']]
-        >>> reorder = [helper.make_node("ReorderInput", ["x"], [f"b{i}"], domain=_NCHWC) for i in range(2)]
-        >>> shared = _shared_reorders([reorder[0], convs[0], reorder[1]], frozenset({"b1"}))
-        >>> [(list(node.input), list(node.output)) for node in shared]
-        [(['x'], ['b1']), (['b1', 'w'], ['y0'])]
     """
-    copies: dict[tuple[str, bytes], list[str]] = {}
-    for node in nodes:
-        if _is_nchwc(node, "ReorderInput"):
-            attributes = b"".join(attribute.SerializeToString() for attribute in node.attribute)
-            copies.setdefault((node.input[0], attributes), []).append(node.output[0])
-    shared: dict[str, str] = {}
-    for names in copies.values():
-        named = [name for name in names if name in outputs]
-        for name in names:
-            if name not in named[1:]:
-                shared[name] = named[0] if named else names[0]
+    first: dict[tuple[str, bytes], str] = {}
+    renamed: dict[str, str] = {}
     kept: list[onnx.NodeProto] = []
-    made: set[str] = set()
     for node in nodes:
         for index, name in enumerate(node.input):
-            node.input[index] = shared.get(name, name)
-        if _is_nchwc(node, "ReorderInput") and node.output[0] in shared:
-            name = shared[node.output[0]]
-            if name in made:
+            if name in renamed:
+                node.input[index] = renamed[name]
+        if node.op_type == "ReorderInput" and node.domain == _NCHWC:
+            attributes = b"".join(attribute.SerializeToString() for attribute in node.attribute)
+            key = (node.input[0], attributes)
+            if key in first:
+                renamed[node.output[0]] = first[key]
                 continue
-            node.output[0] = name
-            made.add(name)
+            first[key] = node.output[0]
         kept.append(node)
     return kept
 

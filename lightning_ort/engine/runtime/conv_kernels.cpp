@@ -44,10 +44,6 @@
 //       no transposes), over a group of images per tile pass. A task takes a chunk of the images and one tile of
 //       32 output channels; the chunks' sums are added up at the end, in chunk order, over the session's threads.
 //
-//       attribute x_block (int, 0 when absent): 16 reads X in the same 16-channel NCHWc layout (C a multiple of
-//       16), where a tile's 8 input channels are 8 neighbouring floats rather than 8 planes. The sums are the same,
-//       in the same order, either way.
-//
 // The four phases are the stride-1 convolutions that compute the input gradient of a stride-2 convolution
 // (lightning_ort/engine/fx/conv_phases.py); ONNX Runtime's DepthToSpace, which could weave them once
 // concatenated, runs as a generic six-axis transpose, several times slower than this single pass. Work is split by
@@ -414,7 +410,7 @@ constexpr int64_t kGroupBytes = 256 << 10;  // a group of images' tile rows: 8 i
 
 // sums[c, o] += sum over images n and output positions (y, x) of x_at(n, c, y, x) * dy(n, o, y, x) for one tap, c
 // in [0, 8) and o in [0, 32): `x` points at the tap's input in the first image's channel c0 for the first position
-// (channels `plane` floats apart, images x_image, row step x_row, column step x_col), `dy0` and `dy1` at the
+// (channel planes `plane` floats apart, images x_image, row step x_row, column step x_col), `dy0` and `dy1` at the
 // two output blocks' first position (images dy_image apart, row step dy_row).
 // The products are contracted into fused multiply-adds here (the library is built without contraction).
 #pragma GCC push_options
@@ -459,15 +455,10 @@ Span valid_span(int64_t tap, int64_t stride, int64_t size, int64_t outputs) {
   return {tap == 0 ? 1 : 0, reach < 0 ? 0 : std::min(outputs, reach / stride + 1)};
 }
 
-struct WeightGradConfig {
-  int64_t stride, x_block;
-};
-
 struct WeightGradWork {
   const float* x;
   const float* dy;
   int64_t images, inputs, outputs, height, width, out_height, out_width, stride;
-  int64_t x_lanes;  // 1: X is NCHW; 16: X is in 16-channel NCHWc blocks
   int64_t chunks;  // image chunks; a task is one chunk and one output tile
   float* partial;  // per chunk: [9 taps, C / 8, O / 32, 8, 32]
   float* dw;       // [O, C, 3, 3]
@@ -481,10 +472,7 @@ void weight_grad_share(void* data, size_t task) {
   const int64_t o0 = static_cast<int64_t>(task) % tiles * kTileOutputs;
   const int64_t in_plane = w.height * w.width, out_plane = w.out_height * w.out_width * kBlock;
   const int64_t x_image = w.inputs * in_plane, dy_image = w.outputs * w.out_height * w.out_width;
-  const int64_t lanes = w.x_lanes, x_row = w.stride * w.width * lanes, x_col = w.stride * lanes;
-  const int64_t dy_row = w.out_width * kBlock;
-  // A tile's 8 input channels are 8 planes of NCHW, or 8 neighbouring lanes of one NCHWc block.
-  const int64_t x_channel = lanes == 1 ? in_plane : 1;
+  const int64_t x_row = w.stride * w.width, x_col = w.stride, dy_row = w.out_width * kBlock;
   // Images are taken in groups whose tile rows stay in cache from one tap to the next; each tile call sums a
   // group's images, so that small images do not reload the accumulators for every image.
   const int64_t image_bytes = (kTileInputs * in_plane + kTileOutputs * w.out_height * w.out_width) * 4;
@@ -503,9 +491,9 @@ void weight_grad_share(void* data, size_t task) {
       const int64_t first_input = (w.stride * rows.first + kh - 1) * w.width + w.stride * cols.first + kw - 1;
       const float* dy0 = dy + (rows.first * w.out_width + cols.first) * kBlock;
       for (int64_t c0 = 0; c0 < w.inputs; c0 += kTileInputs) {
-        const float* xt = x + (c0 - c0 % lanes) * in_plane + c0 % lanes + first_input * lanes;
+        const float* xt = x + c0 * in_plane + first_input;
         float* tile = sums + ((tap * (w.inputs / kTileInputs) + c0 / kTileInputs) * tiles + o0 / kTileOutputs) * kTileSize;
-        weight_grad_tile(xt, x_channel, x_image, x_row, x_col, dy0, dy0 + out_plane, dy_image, dy_row, images,
+        weight_grad_tile(xt, in_plane, x_image, x_row, x_col, dy0, dy0 + out_plane, dy_image, dy_row, images,
                          rows.last - rows.first, cols.last - cols.first, tile);
       }
     }
@@ -530,18 +518,17 @@ void weight_grad_total(void* data, size_t task) {
 }
 
 OrtStatus* weight_grad_compute(void* kernel, OrtKernelContext* context) {
-  const WeightGradConfig& config = *static_cast<const WeightGradConfig*>(kernel);
-  const int64_t stride = config.stride;
+  const int64_t stride = *static_cast<const int64_t*>(kernel);
   Tensor x, dy;
   RETURN_IF_ERROR(read_input(context, 0, &x));
   RETURN_IF_ERROR(read_input(context, 1, &dy));
   const bool shapes = x.rank == 4 && dy.rank == 4 && x.dims[0] == dy.dims[0] &&
                       dy.dims[2] == (x.dims[2] - 1) / stride + 1 && dy.dims[3] == (x.dims[3] - 1) / stride + 1 &&
-                      x.dims[1] % std::max(kTileInputs, config.x_block) == 0 && dy.dims[1] % kTileOutputs == 0;
+                      x.dims[1] % kTileInputs == 0 && dy.dims[1] % kTileOutputs == 0;
   if (!shapes)
     return api->error(kInvalidArgument,
                       "ConvWeightGrad3x3: X must be [N, C, H, W] and dY [N, O, (H - 1) / stride + 1, (W - 1) / stride "
-                      "+ 1] (NCHWc-blocked by 16 channels), C a multiple of 8 (of 16 with x_block = 16) and O of 32");
+                      "+ 1] (NCHWc-blocked by 16 channels), C a multiple of 8 and O of 32");
   WeightGradWork work{};
   work.x = x.data;
   work.dy = dy.data;
@@ -553,7 +540,6 @@ OrtStatus* weight_grad_compute(void* kernel, OrtKernelContext* context) {
   work.out_height = dy.dims[2];
   work.out_width = dy.dims[3];
   work.stride = stride;
-  work.x_lanes = config.x_block == kBlock ? kBlock : 1;
   const int64_t dims[4] = {work.outputs, work.inputs, 3, 3};
   RETURN_IF_ERROR(make_output(context, 0, dims, 4, &work.dw));
   const int64_t bytes = work.size() * static_cast<int64_t>(sizeof(float));
@@ -566,18 +552,14 @@ OrtStatus* weight_grad_compute(void* kernel, OrtKernelContext* context) {
 }
 
 OrtStatus* create_weight_grad(const OrtCustomOp*, const void*, const OrtKernelInfo* info, void** kernel) {
-  WeightGradConfig config{1, 0};
-  RETURN_IF_ERROR(read_int(info, "stride", &config.stride));
-  read_int_or(info, "x_block", 0, &config.x_block);
-  if (config.stride != 1 && config.stride != 2)
-    return api->error(kInvalidArgument, "ConvWeightGrad3x3: stride must be 1 or 2");
-  if (config.x_block != 0 && config.x_block != kBlock)
-    return api->error(kInvalidArgument, "ConvWeightGrad3x3: x_block must be 0 (X in NCHW) or 16 (X in NCHWc blocks)");
-  *kernel = new WeightGradConfig(config);
+  int64_t stride = 1;
+  RETURN_IF_ERROR(read_int(info, "stride", &stride));
+  if (stride != 1 && stride != 2) return api->error(kInvalidArgument, "ConvWeightGrad3x3: stride must be 1 or 2");
+  *kernel = new int64_t(stride);
   return nullptr;
 }
 
-void destroy_weight_grad(void* kernel) { delete static_cast<WeightGradConfig*>(kernel); }
+void destroy_weight_grad(void* kernel) { delete static_cast<int64_t*>(kernel); }
 
 }  // namespace
 
