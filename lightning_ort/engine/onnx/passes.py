@@ -1177,9 +1177,10 @@ _BLOCKED_WEAVES = ("Interleave2x2", "Interleave2x2Add")
 
 _BLOCKED_GRADIENT_CACHE_BYTES = 1 << 20
 """The most data a batch-norm gradient's block of channels may span for :func:`keep_gradients_blocked` to give it
-the NCHWc layout: an L2 cache. Its second pass re-reads the block, which plain runs one channel at a time, each
-channel's data 1/16 of a block's; where a block outgrows the cache, that re-read comes from memory and costs
-more than the reorders it saves (docs/performance.md, "Gradients in NCHWc blocks")."""
+the NCHWc layout: an L2 cache. Past it, the blocked kernel, which reads the saved X (and Y) in NCHW 16 planes at a
+time and transposes them in registers, costs more than the reorders it saves; blocks as such are not the cost (a
+two-pass loop over data already blocked ran as fast as over planes). Measured in docs/performance.md, "Gradients
+in NCHWc blocks" and "Saved tensors in NCHWc blocks: measured, not adopted"."""
 
 
 def keep_gradients_blocked(model: onnx.ModelProto, block: int) -> int:

@@ -284,27 +284,6 @@ __attribute__((target("avx512f"))) void block_tile_16(const Tile& tile, int64_t 
     }
 }
 
-// The 8x8 form of transpose_16x16: pairs of rows interleaved by floats, then by float pairs within 128-bit lanes,
-// then the lanes of rows 0-3 and 4-7 joined.
-__attribute__((target("avx2"))) inline void transpose_8x8(__m256 r[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  __m256 u[8];
-  for (int g = 0; g < 2; ++g) {
-    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);          // lane L: column 4L, rows 4g..4g+3
-    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);      // column 4L + 1
-    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);  // column 4L + 2
-    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);  // column 4L + 3
-  }
-  for (int m = 0; m < 4; ++m) {
-    r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
-    r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
-  }
-}
-
 __attribute__((target("avx2"))) void block_tile_8(const Tile& tile, int64_t taps, bool flip) {
   __m256 r[8];
   if (!flip) {

@@ -1,6 +1,6 @@
 // Register tiles for lightning_ort's x86 kernels that read one layout and write another: a 16x16 float transpose
 // in AVX-512 registers (a plain tensor's 16 channel rows of 16 positions turned into the 16 position vectors of
-// ONNX Runtime's NCHWc layout, or the reverse).
+// ONNX Runtime's NCHWc layout, or the reverse), and its 8x8 form in AVX2 registers (ONNX Runtime's block there).
 
 #pragma once
 
@@ -40,6 +40,27 @@ __attribute__((target("avx512f"))) inline void transpose_16x16(__m512 r[16]) {
     r[4 + m] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
     r[8 + m] = _mm512_shuffle_f32x4(high01, high23, 0x88);
     r[12 + m] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+  }
+}
+
+// The 8x8 form of transpose_16x16: pairs of rows interleaved by floats, then by float pairs within 128-bit lanes,
+// then the lanes of rows 0-3 and 4-7 joined.
+__attribute__((target("avx2"))) inline void transpose_8x8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  __m256 u[8];
+  for (int g = 0; g < 2; ++g) {
+    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);          // lane L: column 4L, rows 4g..4g+3
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);      // column 4L + 1
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);  // column 4L + 2
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);  // column 4L + 3
+  }
+  for (int m = 0; m < 4; ++m) {
+    r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+    r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
   }
 }
 
