@@ -28,6 +28,11 @@ CudaMemory = Literal["torch", "shared_arena", "session_arena"]
 
 CUDA_MEMORY: tuple[CudaMemory, ...] = ("torch", "shared_arena", "session_arena")
 
+CpuMatmul = Literal["auto", "mlas", "mkl"]
+"""Which library multiplies matrices in CPU sessions, by name: see :mod:`lightning_ort.engine.runtime.cpu_matmul`."""
+
+CPU_MATMUL: tuple[CpuMatmul, ...] = ("auto", "mlas", "mkl")
+
 AttentionPath = Literal["auto", "onnx", "torch"]
 """Where ``F.scaled_dot_product_attention`` runs: translated into the ONNX graphs, kept as one PyTorch op, or
 chosen by the device (:func:`attention_on`)."""
@@ -252,6 +257,10 @@ class SessionSettings:
             ONNX Runtime run, so that they do not share the cores with ONNX Runtime's threads. PyTorch's next
             parallel operator starts them again, so graphs whose last run took under 1 ms run without it.
             See :mod:`lightning_ort.engine.runtime.openmp`.
+        cpu_matmul: which library multiplies matrices in CPU sessions: ``"auto"`` (whichever of the two ran the
+            faster on a few layer-sized products, timed once per process), ``"mlas"`` (ONNX Runtime's own) or
+            ``"mkl"`` (the MKL that PyTorch was built with, called on ONNX Runtime's threads). See
+            :mod:`lightning_ort.engine.runtime.cpu_matmul`.
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator, one pool with
             PyTorch), ``"shared_arena"`` (one ONNX Runtime arena for all sessions) or ``"session_arena"`` (ONNX
             Runtime's default, an arena per session). See :mod:`lightning_ort.engine.runtime.cuda_memory`.
@@ -273,6 +282,7 @@ class SessionSettings:
     intra_op_num_threads: int = 0
     allow_spinning: bool = True
     release_torch_threads: bool = True
+    cpu_matmul: CpuMatmul = "auto"
     cuda_memory: CudaMemory = "torch"
     cuda_graph: bool = False
 
@@ -281,6 +291,7 @@ class SessionSettings:
         require_type(self, "intra_op_num_threads", int, "an int >= 0 (0 lets ONNX Runtime decide)")
         require_type(self, "allow_spinning", bool, "True or False")
         require_type(self, "release_torch_threads", bool, "True or False")
+        require_type(self, "cpu_matmul", str, f"one of {', '.join(map(repr, CPU_MATMUL))}")
         require_type(self, "cuda_memory", str, f"one of {', '.join(map(repr, CUDA_MEMORY))}")
         require_type(self, "cuda_graph", bool, "True or False")
         if self.providers is not None and (
@@ -290,6 +301,9 @@ class SessionSettings:
         if self.optimization_level not in _OPTIMIZATION_LEVELS:
             allowed = ", ".join(_OPTIMIZATION_LEVELS)
             raise ValueError(f"optimization_level={self.optimization_level!r} is not one of {allowed}.")
+        if self.cpu_matmul not in CPU_MATMUL:
+            allowed = ", ".join(map(repr, CPU_MATMUL))
+            raise ValueError(f"cpu_matmul={self.cpu_matmul!r} is not one of {allowed}.")
         if self.cuda_memory not in CUDA_MEMORY:
             allowed = ", ".join(map(repr, CUDA_MEMORY))
             raise ValueError(f"cuda_memory={self.cuda_memory!r} is not one of {allowed}.")

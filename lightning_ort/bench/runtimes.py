@@ -23,9 +23,11 @@ from lightning_ort.module import ORTModule
 from lightning_ort.options import (
     ATTENTION_PATHS,
     CONV_WEIGHT_GRADS,
+    CPU_MATMUL,
     CUDA_MEMORY,
     AttentionPath,
     ConvWeightGrad,
+    CpuMatmul,
     CudaMemory,
     DebugOptions,
     SessionSettings,
@@ -35,6 +37,7 @@ RUNTIMES = ("eager", "inductor", "ort")
 """The runtimes a run compares by default; eager always runs first, as the reference of the ratios."""
 ORT_VARIANTS = {
     "cuda_memory": CUDA_MEMORY,
+    "cpu_matmul": CPU_MATMUL,
     "attention": ATTENTION_PATHS,
     "cuda_graph": ("on", "off"),
     "conv_weight_grad": CONV_WEIGHT_GRADS,
@@ -108,7 +111,11 @@ class Runner:
             memory = cast(CudaMemory, variant.get("cuda_memory", "torch"))
             attention = cast(AttentionPath, variant.get("attention", "auto"))
             weight_grad = cast(ConvWeightGrad, variant.get("conv_weight_grad", "auto"))
-            settings = SessionSettings(cuda_memory=memory, cuda_graph=variant.get("cuda_graph") == "on")
+            settings = SessionSettings(
+                cpu_matmul=cast(CpuMatmul, variant.get("cpu_matmul", "auto")),
+                cuda_memory=memory,
+                cuda_graph=variant.get("cuda_graph") == "on",
+            )
             self.model = ORTModule(
                 model,
                 debug_options,

@@ -27,6 +27,7 @@ from lightning_ort.options import (
     PROVIDERS_ACCEPTED,
     AttentionPath,
     ConvWeightGrad,
+    CpuMatmul,
     CudaMemory,
     DebugOptions,
     Fallback,
@@ -67,6 +68,8 @@ class ORTConfig:
             :class:`~lightning_ort.SessionSettings`; they always stop when the run returns).
         release_torch_threads: on CPU, stop PyTorch's idle OpenMP threads from spinning before each ONNX Runtime
             run (see :class:`~lightning_ort.SessionSettings`).
+        cpu_matmul: which library multiplies matrices in CPU sessions: ``"auto"`` (the faster, timed once),
+            ``"mlas"`` (ONNX Runtime's) or ``"mkl"`` (PyTorch's; see :class:`~lightning_ort.SessionSettings`).
         attention: where ``F.scaled_dot_product_attention`` runs: ``"auto"`` (PyTorch's fused kernels on CUDA,
             its math in the graphs on CPU), ``"onnx"`` (its math in the graphs) or ``"torch"`` (PyTorch's fused
             kernels between ONNX Runtime partitions; see :class:`~lightning_ort.ORTModule`).
@@ -117,6 +120,7 @@ class ORTConfig:
     intra_op_num_threads: int = 0
     allow_spinning: bool = True
     release_torch_threads: bool = True
+    cpu_matmul: CpuMatmul = "auto"
     cuda_memory: CudaMemory = "torch"
     cuda_graph: bool = False
     attention: AttentionPath = "auto"
@@ -158,6 +162,7 @@ class ORTConfig:
                 intra_op_num_threads=self.intra_op_num_threads,
                 allow_spinning=self.allow_spinning,
                 release_torch_threads=self.release_torch_threads,
+                cpu_matmul=self.cpu_matmul,
                 cuda_memory=self.cuda_memory,
                 cuda_graph=self.cuda_graph,
             ),

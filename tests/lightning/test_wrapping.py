@@ -117,6 +117,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
         "intra_op_num_threads": 1,
         "allow_spinning": False,
         "release_torch_threads": False,
+        "cpu_matmul": "mlas",
         "cuda_memory": "shared_arena",
         "cuda_graph": True,
         "attention": "torch",
@@ -137,6 +138,7 @@ def test_strategies_and_callback_pass_every_wrapping_argument_through(owner: typ
     assert config == ORTConfig(**arguments)
     assert not config.session_settings.allow_spinning
     assert not config.session_settings.release_torch_threads
+    assert config.session_settings.cpu_matmul == "mlas"
     assert config.session_settings.cuda_memory == "shared_arena" and config.module_options.attention == "torch"
     assert config.module_options.conv_weight_grad == "onnx"
     assert config.session_settings.cuda_graph

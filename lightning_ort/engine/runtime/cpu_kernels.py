@@ -2,8 +2,8 @@
 max-pooling gradient (``max_pool_kernels.cpp``), the weaving of a stride-2 convolution's input gradient, the
 subsampling of a strided projection's input and the blocking of convolution weights for ONNX Runtime's NCHWc
 kernels (``conv_kernels.cpp``), GELU's and SiLU's gradients (``activation_kernels.cpp``), layer norm's
-(``layer_norm_kernels.cpp``), group norm, forward and gradient (``group_norm_kernels.cpp``), and transposes
-(``transpose_kernels.cpp``), over the part of
+(``layer_norm_kernels.cpp``), group norm, forward and gradient (``group_norm_kernels.cpp``), transposes
+(``transpose_kernels.cpp``) and matrix products through MKL (``matmul_kernels.cpp``), over the part of
 ONNX Runtime's C ABI they declare (``ort_custom_ops.h``) and registered by ``register_kernels.cpp``.
 
 The kernels are a small C++ library built on first use with ``torch.utils.cpp_extension`` (in its extension
@@ -31,6 +31,7 @@ from onnx import helper
 from lightning_ort.engine.fx.batch_norm import BATCH_NORM_TRAINING
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.custom_ops import DOMAIN, uses_kernels
+from lightning_ort.engine.torch_internals import unset_fake_temporarily
 from lightning_ort.errors import first_line
 
 _HERE = Path(__file__).parent
@@ -44,6 +45,7 @@ _SOURCES = [
         "layer_norm_kernels.cpp",
         "group_norm_kernels.cpp",
         "transpose_kernels.cpp",
+        "matmul_kernels.cpp",
         "register_kernels.cpp",
     )
 ]
@@ -63,7 +65,8 @@ def kernel_library() -> Path | None:
         name = f"lightning_ort_cpu_kernels_{_source_digest()}"
         sources = [str(source) for source in _SOURCES]
         path = Path(cpp_extension.load(name, sources, extra_cflags=_FLAGS, is_python_module=False))
-        _check(path)
+        with unset_fake_temporarily():  # the first call may come while TorchDynamo compiles, under fake tensors
+            _check(path)
     except Exception as err:
         warnings.warn(
             f"lightning_ort: its CPU kernels (fused batch norm, max-pooling gradient, strided convolutions' input "

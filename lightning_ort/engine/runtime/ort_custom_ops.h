@@ -289,5 +289,6 @@ const std::vector<OpDefinition>& activation_ops();
 const std::vector<OpDefinition>& layer_norm_ops();
 const std::vector<OpDefinition>& group_norm_ops();
 const std::vector<OpDefinition>& transpose_ops();
+const std::vector<OpDefinition>& matmul_ops();
 
 }  // namespace lightning_ort_kernels

@@ -32,7 +32,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       api->at<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)(kDomain, &domain));
   for (const auto* ops :
        {&batch_norm_ops(), &max_pool_ops(), &conv_ops(), &activation_ops(), &layer_norm_ops(), &group_norm_ops(),
-        &transpose_ops()})
+        &transpose_ops(), &matmul_ops()})
     for (const OpDefinition& op : *ops)
       RETURN_IF_ERROR(
           api->at<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(kCustomOpDomainAdd)(domain, &op));

@@ -36,6 +36,7 @@ from lightning_ort.engine.ort_internals import (
     pybind_session,
 )
 from lightning_ort.engine.runtime.cpu_kernels import register_kernels
+from lightning_ort.engine.runtime.cpu_matmul import multiply_through_mkl, use_mkl
 from lightning_ort.engine.runtime.cuda_graph import CapturedGraphs, capture_provider_options, capture_refusal
 from lightning_ort.engine.runtime.cuda_memory import cuda_provider_options, cuda_session_config
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
@@ -205,6 +206,8 @@ class GraphSession:
             options.profile_file_prefix = str(debug.profile_prefix(graph.name))
         self._profiling = debug.profile
         model, self._constants = _split_constants(graph, device)
+        if device.type == "cpu":
+            model = _cpu_products(model, settings)
         self._output_specs = [spec for i, spec in enumerate(graph.outputs) if i not in self._constants]
         captures = _captures(graph, device, settings)
         capture = torch.cuda.Stream(device) if captures and device.type == "cuda" else None
@@ -416,6 +419,17 @@ def _split_constants(graph: ExportedGraph, device: torch.device) -> tuple[onnx.M
         return graph.model, {}
     log.debug("the %s graph's outputs %s are constants, computed once", graph.name, split.positions)
     return split.graph, constants
+
+
+def _cpu_products(model: onnx.ModelProto, settings: SessionSettings) -> onnx.ModelProto:
+    """``model``, or a copy whose matrix products run through MKL where ``settings.cpu_matmul`` chooses it (see
+    :mod:`~lightning_ort.engine.runtime.cpu_matmul`); the exported graph itself is never changed."""
+    threads = settings.intra_op_num_threads or torch.get_num_threads()
+    if not use_mkl(settings.cpu_matmul, threads):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy if multiply_through_mkl(copy, threads) else model
 
 
 def _compute_constants(split: ConstantSplit, specs: list[OutputSpec], device: torch.device) -> dict[int, torch.Tensor]:
