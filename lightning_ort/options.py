@@ -259,8 +259,9 @@ class SessionSettings:
             See :mod:`lightning_ort.engine.runtime.openmp`.
         cpu_matmul: which library multiplies matrices in CPU sessions: ``"auto"`` (whichever of the two ran the
             faster on a few layer-sized products, timed once per process), ``"mlas"`` (ONNX Runtime's own) or
-            ``"mkl"`` (the MKL that PyTorch was built with, called on ONNX Runtime's threads). See
-            :mod:`lightning_ort.engine.runtime.cpu_matmul`.
+            ``"mkl"`` (the MKL that PyTorch was built with, called on ONNX Runtime's threads). The two round
+            differently, and ``"auto"``'s timing may choose differently from one run to the next on a busy
+            machine: name one where runs must repeat bit for bit. See :mod:`lightning_ort.engine.runtime.cpu_matmul`.
         cuda_memory: where CUDA sessions allocate: ``"torch"`` (PyTorch's caching allocator, one pool with
             PyTorch), ``"shared_arena"`` (one ONNX Runtime arena for all sessions) or ``"session_arena"`` (ONNX
             Runtime's default, an arena per session). See :mod:`lightning_ort.engine.runtime.cuda_memory`.

@@ -89,7 +89,9 @@ void matmul_panel(void* data, size_t task) {
   const int64_t count = std::min(w.per_panel, side - first);
   if (count <= 0) return;
   const char trans_a = w.trans_a ? 'T' : 'N', trans_b = w.trans_b ? 'T' : 'N';
-  const int lda = static_cast<int>(w.trans_a ? w.m : w.k), ldb = static_cast<int>(w.trans_b ? w.k : w.n);
+  // BLAS takes no leading dimension below 1, even of an empty operand.
+  const int lda = static_cast<int>(std::max<int64_t>(1, w.trans_a ? w.m : w.k));
+  const int ldb = static_cast<int>(std::max<int64_t>(1, w.trans_b ? w.k : w.n));
   const int ldy = static_cast<int>(w.n);
   const float zero = 0.0f;
   const float* a = w.a;
