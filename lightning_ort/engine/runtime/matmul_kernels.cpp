@@ -7,9 +7,10 @@
 //
 // On some x86 CPUs MKL's sgemm multiplies faster than ONNX Runtime's MLAS; lightning_ort measures both once per
 // process (engine/runtime/cpu_matmul.py) and, where MKL is faster, CPU sessions run their products here. The
-// product is cut into panels along Y's longer side, one per thread of the session's pool, and each thread runs
-// MKL's sgemm on its panel single-threaded (mkl_set_num_threads_local), so that MKL never starts OpenMP threads
-// of its own beside ONNX Runtime's. MKL's symbols are looked up in the process, where PyTorch loaded them; a
+// product is cut into panels, one per thread of the session's pool: of Y's rows or columns (its longer side), or
+// of the sum over K where K is at least twice M and N (partial sums, added after). Each thread runs MKL's sgemm on
+// its panel single-threaded (mkl_set_num_threads_local), so that MKL never starts OpenMP threads of its own
+// beside ONNX Runtime's. MKL's symbols are looked up in the process, where PyTorch loaded them; a
 // kernel is not created where they are missing.
 
 #include <dlfcn.h>
@@ -35,18 +36,21 @@ struct Blas {
   SetLocalThreads set_local_threads = nullptr;
 };
 
-// MKL's sgemm_ and MKL_Set_Num_Threads_Local (the C form of mkl_set_num_threads_local) from PyTorch's library (this library links it), else the process.
+// MKL's sgemm_ and MKL_Set_Num_Threads_Local (the C form of mkl_set_num_threads_local): from PyTorch's library
+// (this library links it), else from the process's global scope.
+Blas blas_in(void* scope) {
+  Blas b;
+  b.sgemm = reinterpret_cast<Sgemm>(dlsym(scope, "sgemm_"));
+  b.set_local_threads = reinterpret_cast<SetLocalThreads>(dlsym(scope, "MKL_Set_Num_Threads_Local"));
+  if (b.sgemm == nullptr || b.set_local_threads == nullptr) return Blas{};
+  return b;
+}
+
 const Blas& blas() {
   static const Blas found = [] {
-    Blas b;
     void* torch = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    for (void* scope : {torch, RTLD_DEFAULT}) {
-      if (scope == nullptr || b.sgemm != nullptr) continue;
-      b.sgemm = reinterpret_cast<Sgemm>(dlsym(scope, "sgemm_"));
-      b.set_local_threads = reinterpret_cast<SetLocalThreads>(dlsym(scope, "MKL_Set_Num_Threads_Local"));
-      if (b.set_local_threads == nullptr) b.sgemm = nullptr;
-    }
-    return b;
+    const Blas in_torch = torch != nullptr ? blas_in(torch) : Blas{};
+    return in_torch.sgemm != nullptr ? in_torch : blas_in(RTLD_DEFAULT);
   }();
   return found;
 }
