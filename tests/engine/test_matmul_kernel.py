@@ -20,6 +20,7 @@ from onnx import helper
 
 from lightning_ort import DebugOptions, ORTModule, SessionSettings
 from lightning_ort.engine.onnx.custom_ops import DOMAIN
+from lightning_ort.engine.onnx.passes import multiply_through_mkl
 from lightning_ort.engine.runtime import cpu_matmul
 from tests.helpers import assert_fp64_accuracy, kernel_session
 
@@ -107,14 +108,14 @@ def test_the_rewrite_moves_only_large_products_of_two_float32_matrices() -> None
             helper.make_tensor_value_info("x_t", float32, (512, 256)),
         ]
     )
-    assert cpu_matmul.multiply_through_mkl(model, threads=2) == 2
+    assert multiply_through_mkl(model, threads=2) == 2
     moved = {node.name: node for node in model.graph.node if node.domain == DOMAIN}
     assert set(moved) == {"node_linear", "node_grad"}
     attributes = {attr.name: helper.get_attribute_value(attr) for attr in moved["node_grad"].attribute}
     assert attributes == {"transA": 1, "transB": 0, "alpha": 2.0, "threads": 2}
     assert any(opset.domain == DOMAIN for opset in model.opset_import)
     double = _product_model(nodes[:1], {"x": (256, 512), "w": (1024, 512)}, onnx.TensorProto.DOUBLE)
-    assert cpu_matmul.multiply_through_mkl(double, threads=2) == 0
+    assert multiply_through_mkl(double, threads=2) == 0
 
 
 def _mlp() -> torch.nn.Module:

@@ -45,6 +45,9 @@
 * :func:`keep_gradients_blocked` (CPU graphs with lightning_ort's kernels, AVX-512): the backward's gradients
   stay in NCHWc blocks between the convolutions that write and read them, through the batch-norm gradients and
   the phase weave, instead of a ``ReorderOutput`` and a ``ReorderInput`` around each.
+* :func:`multiply_through_mkl` (CPU sessions, applied when a session is created where
+  :mod:`~lightning_ort.engine.runtime.cpu_matmul` chooses MKL, never to the exported graph): products of two float32
+  matrices run in lightning_ort's ``BlasMatMul`` kernel.
 * :func:`pad_by_concat` (CUDA graphs): a constant ``Pad`` of a type the CUDA provider has no ``Pad`` kernel for
   (integers: Hugging Face's causal-LM loss pads its labels) becomes a ``Concat`` with constant blocks, so that it
   runs on the GPU instead of between two copies to and from the host (:func:`cuda_host_nodes` finds what is left).
@@ -1805,6 +1808,65 @@ CUDA_PAD_TYPES = frozenset(
     {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL}
 )
 """The element types ONNX Runtime's CUDA provider has a ``Pad`` kernel for (its OperatorKernels table)."""
+
+
+MIN_PRODUCT_SIZE = 1 << 18
+"""Products of fewer multiply-adds (``M * K * N``) than this, or of unknown size, stay on ONNX Runtime's MLAS."""
+
+
+def multiply_through_mkl(model: onnx.ModelProto, threads: int) -> int:
+    """Move ``model``'s products of two float32 matrices to the ``BlasMatMul`` kernel (MKL), in place.
+
+    ``MatMul`` and ``FusedMatMul`` (with its ``transA``, ``transB`` and ``alpha``) whose operands are declared
+    float32 matrices of static shape and at least :data:`MIN_PRODUCT_SIZE` multiply-adds are rewritten; the
+    kernel cuts each product into ``threads`` panels. Batched products (attention's) stay on MLAS. Returns the
+    number of products rewritten.
+
+    Example:
+        >>> a = helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [256, 128])
+        >>> b = helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [512, 128])
+        >>> node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft", transB=1)
+        >>> model = helper.make_model(helper.make_graph([node], "g", [a, b], []))
+        >>> multiply_through_mkl(model, threads=2), model.graph.node[0].op_type
+        (1, 'BlasMatMul')
+    """
+    values = _values(model.graph)
+    matrices = {
+        name: shape
+        for name, value in values.items()
+        if value.elem_type == onnx.TensorProto.FLOAT and (shape := value.static_shape) is not None and len(shape) == 2
+    }
+    rewritten = 0
+    for node in model.graph.node:
+        attributes = _attributes(node)
+        plain = node.op_type == "MatMul" and _in_default_domain(node)
+        fused = node.op_type == "FusedMatMul" and node.domain == _MICROSOFT
+        if not (plain or (fused and not attributes.get("transBatchA", 0) and not attributes.get("transBatchB", 0))):
+            continue
+        left, right = (matrices.get(name) for name in node.input[:2])
+        if left is None or right is None:
+            continue
+        rows, depth = (left[1], left[0]) if attributes.get("transA", 0) else left
+        columns = right[0] if attributes.get("transB", 0) else right[1]
+        if rows * depth * columns < MIN_PRODUCT_SIZE:
+            continue
+        node.CopyFrom(
+            helper.make_node(
+                "BlasMatMul",
+                list(node.input),
+                list(node.output),
+                node.name,
+                domain=DOMAIN,
+                transA=int(attributes.get("transA", 0)),
+                transB=int(attributes.get("transB", 0)),
+                alpha=float(attributes.get("alpha", 1.0)),
+                threads=threads,
+            )
+        )
+        rewritten += 1
+    if rewritten and not any(opset.domain == DOMAIN for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return rewritten
 
 
 def pad_by_concat(model: onnx.ModelProto) -> int:

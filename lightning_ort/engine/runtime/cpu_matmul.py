@@ -4,15 +4,11 @@ ONNX Runtime's ``MatMul`` and ``FusedMatMul`` run on MLAS, its own matrix-produc
 (Intel Xeons with AVX-512) MKL's ``sgemm``, which eager PyTorch calls, multiplies the same matrices faster, and
 on others MLAS is level or ahead. :func:`mkl_multiplies_faster` times both once per process on products of the
 shapes that training graphs hold (a layer's forward, its input gradient and its weight gradient), inside ONNX
-Runtime and on the session's threads; where MKL is faster, :func:`multiply_through_mkl` gives each session a copy
-of its graph whose matrix products run in lightning_ort's ``BlasMatMul`` kernel (``matmul_kernels.cpp``), which
-calls MKL on ONNX Runtime's threads. The choice is made when a session is created, never in the exported or
-cached graph, so a graph cache moves between machines unchanged. ``SessionSettings(cpu_matmul="mlas")`` or
-``"mkl"`` overrides the measurement.
-
-Only products of two matrices (rank 2, as a ``Linear`` layer's are after export) of at least
-:data:`MIN_PRODUCT_SIZE` multiply-adds move: batched products (attention's) and small ones stay on MLAS, whose
-per-call cost is lower.
+Runtime and on the session's threads. Where MKL is faster, each session gets a copy of its graph in which
+:func:`~lightning_ort.engine.onnx.passes.multiply_through_mkl` has moved the products of two matrices to
+lightning_ort's ``BlasMatMul`` kernel (``matmul_kernels.cpp``), which calls MKL on ONNX Runtime's threads. The
+choice is made when a session is created, never in the exported or cached graph, so a graph cache moves between
+machines unchanged. ``SessionSettings(cpu_matmul="mlas")`` or ``"mkl"`` overrides the measurement.
 """
 
 from __future__ import annotations
@@ -27,18 +23,14 @@ import onnxruntime as ort
 import torch
 from onnx import helper
 
-from lightning_ort.engine.onnx.custom_ops import DOMAIN
-from lightning_ort.engine.runtime.cpu_kernels import kernel_library
+from lightning_ort.engine.onnx.passes import multiply_through_mkl
+from lightning_ort.engine.runtime.cpu_kernels import kernel_library, register_kernels
 from lightning_ort.logs import get_logger
 from lightning_ort.options import CpuMatmul
 
 log = get_logger(__name__)
 
 
-MIN_PRODUCT_SIZE = 1 << 18
-"""Products of fewer multiply-adds (``M * K * N``) than this, or of unknown size, stay on MLAS."""
-
-_MICROSOFT = "com.microsoft"
 _CALIBRATION = (("B", 1024, 1024, 512), ("", 1024, 512, 1024), ("A", 512, 2048, 1024))
 """The calibration's products, (the transposed operand, M, K, N): a layer's forward (``x @ W.T``), its input
 gradient (``dY @ W``) and its weight gradient (``dY.T @ x``, a sum over the batch)."""
@@ -78,8 +70,8 @@ def mkl_multiplies_faster(threads: int) -> bool:
     """Time the calibration products on MLAS and on MKL, each in an ONNX Runtime session on ``threads`` threads.
 
     The two sessions run in alternation, eight times each after a warm-up, and the shortest of each one's runs are
-    compared (the least disturbed by other work on the machine, which only ever adds time; medians flipped the choice
-    in one of four processes on a machine where MKL was 10-20% faster): MKL wins where it is shorter. A machine
+    compared (the least disturbed by other work on the machine, which only ever adds time; the performance page has
+    how often medians chose otherwise): MKL wins where it is shorter. A machine
     where the two are level may take either, at no cost. Done once per thread count and process.
     """
     model = _calibration_model()
@@ -108,76 +100,6 @@ def mkl_multiplies_faster(threads: int) -> bool:
     return faster
 
 
-def multiply_through_mkl(model: onnx.ModelProto, threads: int) -> int:
-    """Move ``model``'s products of two float32 matrices to the ``BlasMatMul`` kernel, in place.
-
-    ``MatMul`` and ``FusedMatMul`` (with its ``transA``, ``transB`` and ``alpha``) whose operands are declared
-    float32 matrices of at least :data:`MIN_PRODUCT_SIZE` multiply-adds are rewritten. Returns their number.
-
-    Example:
-        >>> a = helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [256, 128])
-        >>> b = helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [512, 128])
-        >>> node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft", transB=1)
-        >>> model = helper.make_model(helper.make_graph([node], "g", [a, b], []))
-        >>> multiply_through_mkl(model, threads=2), model.graph.node[0].op_type
-        (1, 'BlasMatMul')
-    """
-    shapes = _matrix_shapes(model.graph)
-    rewritten = 0
-    for position, node in enumerate(model.graph.node):
-        attributes = {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
-        if not _is_product(node, attributes):
-            continue
-        left, right = (shapes.get(name) for name in node.input[:2])
-        if left is None or right is None:
-            continue
-        rows, depth = (left[1], left[0]) if attributes.get("transA", 0) else left
-        columns = right[0] if attributes.get("transB", 0) else right[1]
-        if rows * depth * columns < MIN_PRODUCT_SIZE:
-            continue
-        model.graph.node[position].CopyFrom(
-            helper.make_node(
-                "BlasMatMul",
-                list(node.input),
-                list(node.output),
-                node.name,
-                domain=DOMAIN,
-                transA=int(attributes.get("transA", 0)),
-                transB=int(attributes.get("transB", 0)),
-                alpha=float(attributes.get("alpha", 1.0)),
-                threads=threads,
-            )
-        )
-        rewritten += 1
-    if rewritten and not any(opset.domain == DOMAIN for opset in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return rewritten
-
-
-def _is_product(node: onnx.NodeProto, attributes: dict[str, object]) -> bool:
-    if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
-        return True
-    batch_transposes = attributes.get("transBatchA", 0) or attributes.get("transBatchB", 0)
-    return node.op_type == "FusedMatMul" and node.domain == _MICROSOFT and not batch_transposes
-
-
-def _matrix_shapes(graph: onnx.GraphProto) -> dict[str, tuple[int, int]]:
-    """The static shape of every value ``graph`` declares a float32 matrix."""
-    shapes = {
-        init.name: (init.dims[0], init.dims[1])
-        for init in graph.initializer
-        if init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2
-    }
-    for value in [*graph.input, *graph.value_info, *graph.output]:
-        tensor = value.type.tensor_type
-        if tensor.elem_type != onnx.TensorProto.FLOAT or not tensor.HasField("shape"):
-            continue
-        dims = tensor.shape.dim
-        if len(dims) == 2 and all(dim.HasField("dim_value") for dim in dims):
-            shapes[value.name] = (dims[0].dim_value, dims[1].dim_value)
-    return shapes
-
-
 def _calibration_model() -> onnx.ModelProto:
     """One graph of the :data:`_CALIBRATION` products, as ``FusedMatMul`` nodes, each with its own inputs."""
     inputs, nodes, outputs = [], [], []
@@ -195,22 +117,20 @@ def _calibration_model() -> onnx.ModelProto:
                 "FusedMatMul",
                 list(names[:2]),
                 [names[2]],
-                domain=_MICROSOFT,
+                domain="com.microsoft",
                 transA=int(transposed == "A"),
                 transB=int(transposed == "B"),
             )
         )
     graph = helper.make_graph(nodes, "matmul_calibration", inputs, outputs)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(_MICROSOFT, 1)]
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
 def _session(model: onnx.ModelProto, threads: int) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    library = kernel_library()
-    if library is not None:
-        options.register_custom_ops_library(str(library))
+    register_kernels(options, model)
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

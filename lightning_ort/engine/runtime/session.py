@@ -26,7 +26,7 @@ from lightning_ort.engine.fx.layout import OutputSpec
 from lightning_ort.engine.once import Once
 from lightning_ort.engine.onnx.constant_outputs import ConstantSplit, split_constant_outputs
 from lightning_ort.engine.onnx.export import ONNX_ELEMENT_TYPES, ExportedGraph, save_model
-from lightning_ort.engine.onnx.passes import DISABLED_ORT_OPTIMIZERS
+from lightning_ort.engine.onnx.passes import DISABLED_ORT_OPTIMIZERS, multiply_through_mkl
 from lightning_ort.engine.ort_internals import (
     CDevice,
     OrtValueVector,
@@ -36,7 +36,7 @@ from lightning_ort.engine.ort_internals import (
     pybind_session,
 )
 from lightning_ort.engine.runtime.cpu_kernels import register_kernels
-from lightning_ort.engine.runtime.cpu_matmul import multiply_through_mkl, use_mkl
+from lightning_ort.engine.runtime.cpu_matmul import use_mkl
 from lightning_ort.engine.runtime.cuda_graph import CapturedGraphs, capture_provider_options, capture_refusal
 from lightning_ort.engine.runtime.cuda_memory import cuda_provider_options, cuda_session_config
 from lightning_ort.engine.runtime.openmp import release_openmp_threads
