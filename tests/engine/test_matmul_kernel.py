@@ -98,7 +98,7 @@ def test_the_rewrite_moves_only_large_products_of_two_float32_matrices() -> None
             "FusedMatMul", ["tokens", "w"], ["symbolic"], "node_symbolic", domain="com.microsoft", transB=1
         ),
         helper.make_node(
-            "FusedMatMul", ["x", "w"], ["weight_grad"], "node_grad", domain="com.microsoft", transA=1, alpha=2.0
+            "FusedMatMul", ["grad", "x"], ["weight_grad"], "node_grad", domain="com.microsoft", transA=1, alpha=2.0
         ),
     ]
     model = _product_model(nodes, shapes, float32)
@@ -106,6 +106,7 @@ def test_the_rewrite_moves_only_large_products_of_two_float32_matrices() -> None
         [
             helper.make_tensor_value_info("small_t", float32, (512, 8)),
             helper.make_tensor_value_info("x_t", float32, (512, 256)),
+            helper.make_tensor_value_info("grad", float32, (256, 1024)),  # dY of node_linear: dY.T @ x is dW
         ]
     )
     assert multiply_through_mkl(model, threads=2) == 2
